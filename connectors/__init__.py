@@ -1,0 +1,1 @@
+"""Connectors move encoder outputs (E->P) and KV blocks (P->D) between instances."""

@@ -1,0 +1,133 @@
+"""Connector interfaces the engine calls. No Ray here: implementations live beside this file.
+
+One object serves both sides of an instance: the scheduler side (called from `Scheduler`)
+decides what to load, save and free; the worker side (called from `EngineCore` around the
+model run) moves the bytes. The names mirror vLLM v1's KV and EC connectors.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.outputs import SchedulerOutput
+    from engine.request import Request
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """The P->D handoff message. Serialized to a dict only at the API boundary, where
+    it travels as `kv_transfer_params`."""
+
+    do_remote_decode: bool = False  # set on the request sent to P
+    do_remote_prefill: bool = False  # set on the request sent to D
+    remote_engine_id: str | None = None  # P's engine id
+    remote_request_id: str | None = None  # the request id on P
+    num_tokens: int = 0  # tokens whose KV P computed (the prompt)
+    handle: Any = None  # connector-specific: what D needs to read the KV
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> KVTransferParams | None:
+        if params is None:
+            return None
+        unknown = set(params) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown kv_transfer_params keys: {sorted(unknown)}")
+        return cls(**params)
+
+
+class KVConnectorBase(ABC):
+    """Moves KV blocks between a producer (prefill) and a consumer (decode) instance."""
+
+    # ---- scheduler side -------------------------------------------------------------
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond `num_computed_tokens` whose KV can be loaded from a remote instance,
+        and whether the load is asynchronous. `None` means: not known yet, ask next step."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Called after blocks were allocated for a request that will load external KV."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        """What the worker side needs this step (loads to start, saves to make)."""
+
+    @abstractmethod
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Returns (delay_free, kv_transfer_params). With delay_free the scheduler keeps the
+        blocks until the request id is reported in `finished_sending`."""
+
+    # ---- worker side ----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:  # noqa: B027
+        """The instance's KV pool, [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
+
+    @abstractmethod
+    def start_load_kv(self, metadata: Any) -> None:
+        """Start the loads named in `metadata`; must not block the step loop."""
+
+    def save_kv(self, metadata: Any) -> None:  # noqa: B027
+        """Publish KV named in `metadata` for remote readers."""
+
+    def wait_for_save(self) -> None:  # noqa: B027
+        """Block until saves started by `save_kv` are visible to readers."""
+
+    @abstractmethod
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) since the last call."""
+
+    def get_failed_loads(self) -> set[str]:
+        """Requests whose load failed since the last call (policy decides what follows)."""
+        return set()
+
+    def shutdown(self) -> None:  # noqa: B027
+        """Release everything this connector holds."""
+
+
+class ECConnectorBase(ABC):
+    """Moves encoder outputs (embeddings of one image, keyed by its content hash)."""
+
+    # ---- scheduler side -------------------------------------------------------------
+    @abstractmethod
+    def has_cache_item(self, mm_hash: str) -> bool:
+        """True when this encoder output can be loaded instead of computed."""
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        """False defers the request this step. Must not block. Only features ending after
+        `num_computed_tokens` (offset + length > num_computed_tokens) are of concern."""
+        return True
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:  # noqa: B027
+        """Feature `index` of `request` was given encoder-cache space and will be loaded."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        """What the worker side loads this step."""
+
+    # ---- worker side ----------------------------------------------------------------
+    @abstractmethod
+    def start_load_caches(self, metadata: Any, encoder_cache: dict[str, torch.Tensor]) -> None:
+        """Put the encoder outputs named in `metadata` into `encoder_cache` (by mm_hash)."""
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:  # noqa: B027
+        """Publish one freshly computed encoder output (producer side)."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) since the last call."""
+        return set(), set()
+
+    def shutdown(self) -> None:  # noqa: B027
+        """Release everything this connector holds."""

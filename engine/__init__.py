@@ -1,0 +1,1 @@
+"""One serving instance with no Ray: scheduler, KV cache, model runner, offline LLM API."""

@@ -1,0 +1,87 @@
+"""Typed messages between scheduler, runner, connectors and the engine's clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.request import MultiModalFeature
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or sees again after its state was dropped)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    mm_features: list[MultiModalFeature]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the runner already holds, index-aligned lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    # Blocks appended this step; the whole block table when resumed from preemption.
+    new_block_ids: list[list[int] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    # req_id -> indices into the request's mm_features whose encoder runs this step.
+    scheduled_encoder_inputs: dict[str, list[int]]
+    finished_req_ids: set[str]  # finished since the last step: the runner drops their state
+    free_encoder_mm_hashes: list[str]  # encoder outputs the runner may drop
+    preempted_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: Any = None
+    ec_connector_metadata: Any = None
+
+    @classmethod
+    def empty(cls) -> SchedulerOutput:
+        return cls([], CachedRequestData(), {}, 0, {}, set(), [])
+
+
+@dataclass
+class KVConnectorOutput:
+    finished_sending: set[str] = field(default_factory=set)  # producer: acked or lease expired
+    finished_recving: set[str] = field(default_factory=set)  # consumer: KV landed in our blocks
+    failed_recving: set[str] = field(default_factory=set)  # consumer: load failed
+
+
+@dataclass
+class RunnerOutput:
+    req_ids: list[str] = field(default_factory=list)
+    req_id_to_index: dict[str, int] = field(default_factory=dict)
+    # One list per request: the sampled token, or empty for a partial (chunked) prefill.
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] | None = None  # index-aligned with sampled_token_ids
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    """What a client sees of one request after one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None = None
+    new_text: str = ""
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
+    stop_reason: int | str | None = None
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

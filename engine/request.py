@@ -1,0 +1,128 @@
+"""A request's state inside one engine instance, and its ordered status enum."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every state greater than PREEMPTED is finished."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class MultiModalFeature:
+    """One image in a prompt: its placeholder run and (optionally) its pixels.
+
+    `offset` is the index of the first placeholder token in the prompt and `length` the number
+    of placeholder tokens, which equals the number of encoder embeddings it expands to.
+    `pixel_values` is None on an instance that only ever loads this feature's encoder output
+    from a connector.
+    """
+
+    mm_hash: str
+    offset: int
+    length: int
+    pixel_values: torch.Tensor | None = None  # [3, H, W], float32
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class Request:
+    """Mutable per-request state owned by the scheduler. The runner never touches it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.mm_features = sorted(mm_features or [], key=lambda f: f.offset)
+        self.kv_transfer_params = kv_transfer_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length at first schedule; -1: not yet
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None  # set with FINISHED_ERROR
+        self.block_hashes: list[int] = []  # hash chain of full blocks, kept by the KV manager
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def append_output_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
