@@ -1,0 +1,204 @@
+"""Load a Hugging Face checkpoint folder (config.json + *.safetensors) into our models.
+
+The model is built on the meta device and its parameters are assigned the checkpoint tensors
+directly (already in the target dtype and device), so no weight is ever materialised twice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.models.llama import DecoderConfig, LlamaForCausalLM, check_sliding_window
+from engine.models.llava import LlavaConfig, LlavaForConditionalGeneration
+
+TEXT_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
+SUPPORTED_ARCHITECTURES = (*TEXT_ARCHITECTURES, LLAVA_ARCHITECTURE)
+
+# Checkpoint name prefixes of transformers>=4.52 (and of CLIPVisionModel's `vision_model.`
+# level) mapped onto ours, which follow the older LLaVA layout.
+_LLAVA_RENAMES = (
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("vision_tower.vision_model.", "vision_tower."),
+)
+_ALWAYS_UNUSED = re.compile(r"(rotary_emb\.inv_freq|embeddings\.position_ids)$")
+_VISION_LAYER = re.compile(r"^vision_tower\.encoder\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    is_multimodal: bool
+    image_token_id: int | None
+    num_image_tokens: int | None  # embeddings per image after the select strategy
+    image_size: int | None
+
+
+def load_model(
+    model_dir: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int | None = None,
+) -> tuple[nn.Module, ModelInfo]:
+    """Build the model of `model_dir` and load its weights. `max_model_len` (default: the
+    config's max_position_embeddings) only decides whether a sliding window can be ignored."""
+    path = Path(model_dir)
+    config = _read_json(path / "config.json")
+    if config is None:
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
+        )
+    model, info, text_cfg_dict, text_type = _build(architecture, config, path)
+    check_sliding_window(text_cfg_dict, text_type, max_model_len or info.max_position_embeddings)
+    state = _read_weights(path, model, device, dtype)
+    _assign_weights(model, state)
+    return model.eval().requires_grad_(False), info
+
+
+def _build(architecture: str, config: dict[str, Any], path: Path):
+    generation = _read_json(path / "generation_config.json") or {}
+    with torch.device("meta"):
+        if architecture == LLAVA_ARCHITECTURE:
+            cfg = LlavaConfig.from_hf(config)
+            model: nn.Module = LlavaForConditionalGeneration(cfg)
+            text, text_dict = cfg.text, config.get("text_config") or {}
+            text_type = text_dict.get("model_type", "llama")
+        else:
+            text_type = TEXT_ARCHITECTURES[architecture]
+            text, text_dict = DecoderConfig.from_hf(config, text_type), config
+            model, cfg = LlamaForCausalLM(text), None
+    info = ModelInfo(
+        architecture=architecture,
+        num_layers=text.num_layers,
+        num_heads=text.num_heads,
+        num_kv_heads=text.num_kv_heads,
+        head_dim=text.head_dim,
+        hidden_size=text.hidden_size,
+        vocab_size=text.vocab_size,
+        max_position_embeddings=text.max_position_embeddings,
+        eos_token_ids=_token_ids("eos_token_id", config, text_dict, generation),
+        bos_token_id=(_token_ids("bos_token_id", config, text_dict, generation) or [None])[0],
+        is_multimodal=cfg is not None,
+        image_token_id=cfg.image_token_id if cfg else None,
+        num_image_tokens=cfg.num_image_tokens if cfg else None,
+        image_size=cfg.vision.image_size if cfg else None,
+    )
+    return model, info, text_dict, text_type
+
+
+def _token_ids(key: str, *sources: dict[str, Any]) -> list[int]:
+    """Union, in order, of the ids under `key` (an int or a list) in each source."""
+    ids: list[int] = []
+    for source in sources:
+        value = source.get(key)
+        for token_id in value if isinstance(value, list) else [value]:
+            if token_id is not None and token_id not in ids:
+                ids.append(int(token_id))
+    return ids
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = _read_json(path / "model.safetensors.index.json")
+    if index is not None:
+        return [path / name for name in sorted(set(index["weight_map"].values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def _our_name(name: str, model: nn.Module) -> str | None:
+    """Checkpoint name -> our parameter name, or None for weights we knowingly drop."""
+    if _ALWAYS_UNUSED.search(name):
+        return None
+    if isinstance(model, LlavaForConditionalGeneration):
+        for old, new in _LLAVA_RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        if name.startswith("vision_tower.post_layernorm."):
+            return None  # features are taken before it
+        layer = _VISION_LAYER.match(name)
+        if layer and int(layer.group(1)) >= len(model.vision_tower.encoder.layers):
+            return None  # past the selected feature layer
+    return name
+
+
+def _tied_lm_head(model: nn.Module) -> str | None:
+    if isinstance(model, LlavaForConditionalGeneration):
+        return "language_model.lm_head.weight" if model.config.text.tie_word_embeddings else None
+    return "lm_head.weight" if model.config.tie_word_embeddings else None
+
+
+def _read_weights(
+    path: Path, model: nn.Module, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    expected = dict(model.state_dict(keep_vars=True))
+    tied = _tied_lm_head(model)
+    expected.pop(tied, None)
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name = _our_name(key, model)
+                if name is None or name == tied:
+                    continue
+                if name not in expected:
+                    unexpected.append(key)
+                    continue
+                tensor = f.get_tensor(key)
+                if tensor.shape != expected[name].shape:
+                    raise ValueError(
+                        f"weight {key}: shape {tuple(tensor.shape)} in the checkpoint, "
+                        f"{tuple(expected[name].shape)} expected from config.json"
+                    )
+                to_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+                state[name] = tensor.to(device=device, dtype=to_dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the model: missing {missing[:8]}"
+            f"{'...' if len(missing) > 8 else ''} ({len(missing)}), unexpected "
+            f"{unexpected[:8]}{'...' if len(unexpected) > 8 else ''} ({len(unexpected)})"
+        )
+    return state
+
+
+def _assign_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Replace the meta parameters by the loaded tensors, then re-tie lm_head."""
+    result = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover or result.unexpected_keys:
+        raise ValueError(f"weights not loaded: {leftover} {result.unexpected_keys}")
