@@ -1,0 +1,26 @@
+"""Shared fixtures. Ray starts at most once per test session, and only for tests that ask."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only local clusters in tests
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session (starting Ray costs seconds)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=8,
+            include_dashboard=False,
+            object_store_memory=512 * 1024 * 1024,
+            log_to_driver=False,
+        )
+    yield ray
+    ray.shutdown()
