@@ -1,0 +1,507 @@
+"""The scheduler of one instance: token budget, chunked prefill, preemption, encoder
+admission and the KV / EC connector hooks. No model and no Ray here.
+
+Queues: `running` (scheduled last step, decode or mid-prefill), `skipped_waiting` (requests
+passed over by an earlier step: deferred by the EC connector, unknown to the KV connector,
+or parked in WAITING_FOR_REMOTE_KVS holding blocks) and `waiting` (FCFS; preempted requests
+go to its front). Each step serves running first, then skipped_waiting, then waiting.
+
+Each step a request's `num_computed_tokens` advances by its scheduled tokens when it is
+scheduled; `update_from_output` appends sampled tokens and checks stop conditions.
+
+Runner protocol: a request is sent once in full (`scheduled_new_reqs`), then as deltas
+(`scheduled_cached_reqs`; `new_block_ids` None when no block was added). A preempted request
+keeps its runner-side state (token ids) and comes back with `resumed_from_preemption` and its
+whole block table; a finished one is named once in `finished_req_ids`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from connectors.base import ECConnectorBase, KVConnectorBase
+from engine.config import CacheConfig, SchedulerConfig
+from engine.encoder_cache_manager import EncoderCacheManager
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import EngineCoreOutput, NewRequestData, RunnerOutput, SchedulerOutput
+from engine.request import Request, RequestStatus
+from engine.scheduler_step import (
+    StepState,
+    check_stop,
+    commit_encoder_inputs,
+    free_consumed_encoder_inputs,
+    plan_encoder_inputs,
+)
+
+_SCHEDULED, _SKIP, _STOP = 0, 1, 2  # outcome of trying one waiting request
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_connector: KVConnectorBase | None = None,
+        ec_connector: ECConnectorBase | None = None,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_connector = kv_connector
+        self.ec_connector = ec_connector
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            cache_config, enable_caching=scheduler_config.enable_prefix_caching
+        )
+        self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
+        self._enc = (self.encoder_cache_manager, ec_connector)
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.skipped_waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        # KV consumer: request id -> num_computed_tokens once its async load lands.
+        self._remote_loads: dict[str, int] = {}
+        self._aborted_recving: set[str] = set()  # finished, blocks held until the load lands
+        self._no_remote_kv: set[str] = set()  # loaded or failed once: never ask again
+        # KV producer: finished, blocks held until `finished_sending`.
+        self._pending_sends: set[str] = set()
+
+    # ---- intake and queries -----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens, "
+                f"more than max_model_len={self.max_model_len}"
+            )
+        self._check_mm_fits(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_mm_fits(self, request: Request) -> None:
+        cfg = self.scheduler_config
+        limit = cfg.encoder_cache_size
+        if self.ec_connector is None:
+            limit = min(limit, cfg.encoder_compute_budget)
+        for f in request.mm_features:
+            if f.length > limit:
+                raise ValueError(
+                    f"image {f.mm_hash!r} expands to {f.length} embeddings, more than the "
+                    f"encoder cache size / compute budget ({limit})"
+                )
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        """Finished requests the runner has not been told about, or whose blocks still
+        await a delayed free (producer) or an in-flight load (aborted consumer)."""
+        return bool(self.finished_req_ids) or (
+            len(self.requests) > self.get_num_unfinished_requests()
+        )
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def stats(self) -> dict[str, int]:
+        kv = self.kv_cache_manager
+        return {
+            "num_blocks_total": kv.num_blocks_total,
+            "num_blocks_free": kv.get_num_free_blocks(),
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_deferred": len(self.skipped_waiting),
+            "num_pending_sends": len(self._pending_sends),
+            "num_pending_recvs": sum(
+                1 for r in self.skipped_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            )
+            + len(self._aborted_recving),
+        }
+
+    # ---- schedule ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.scheduler_config
+        st = StepState(cfg.max_num_batched_tokens, cfg.encoder_compute_budget)
+        self._schedule_running(st)
+        if not st.preempted_req_ids:
+            self._schedule_waiting(st)
+        return self._make_output(st)
+
+    def _schedule_running(self, st: StepState) -> None:
+        running = self.running
+        allocate = self.kv_cache_manager.allocate_slots
+        cached = st.cached_reqs
+        num_scheduled = st.num_scheduled_tokens
+        budget = st.token_budget
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            i += 1
+            num_computed = request.num_computed_tokens
+            num_new = request.num_tokens - num_computed
+            if num_new > budget:
+                num_new = budget
+            enc = None
+            if request.mm_features:
+                num_new, enc = plan_encoder_inputs(request, num_computed, num_new, st, *self._enc)
+                if num_new <= 0:
+                    continue
+            new_blocks = allocate(request, num_new)
+            if new_blocks is None:
+                new_blocks = self._allocate_or_preempt(request, num_new, st)
+                if new_blocks is None:  # the request itself was preempted
+                    break
+            if enc is not None:
+                commit_encoder_inputs(request, enc, st, *self._enc)
+            rid = request.request_id
+            cached.req_ids.append(rid)
+            cached.resumed_from_preemption.append(False)
+            cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else None)
+            cached.num_computed_tokens.append(num_computed)
+            num_scheduled[rid] = num_new
+            request.num_computed_tokens = num_computed + num_new
+            budget -= num_new
+        st.total_num_scheduled_tokens += st.token_budget - budget
+        st.token_budget = budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, st: StepState) -> list | None:
+        """Blocks for num_new more tokens of a running request, preempting from the tail of
+        `running` until they fit. None when `request` itself had to go."""
+        allocate = self.kv_cache_manager.allocate_slots
+        while True:
+            new_blocks = allocate(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim, st)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, st: StepState) -> None:
+        """Recompute-style preemption: drop blocks and encoder inputs, keep output tokens."""
+        self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        st.preempted_req_ids.add(request.request_id)
+
+    def _schedule_waiting(self, st: StepState) -> None:
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        while (self.skipped_waiting or self.waiting) and st.token_budget > 0:
+            if len(self.running) >= max_num_seqs:
+                break
+            queue = self.skipped_waiting if self.skipped_waiting else self.waiting
+            outcome = self._try_schedule_waiting(queue[0], st)
+            if outcome == _STOP:
+                break
+            request = queue.popleft()
+            if outcome == _SKIP:
+                st.step_skipped.append(request)
+        self.skipped_waiting.extendleft(reversed(st.step_skipped))
+
+    def _try_schedule_waiting(self, request: Request, st: StepState) -> int:
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return _SKIP
+        kv = self.kv_cache_manager
+        has_blocks = request.request_id in kv.req_to_blocks  # a landed remote load
+        computed_blocks, num_computed = [], request.num_computed_tokens
+        if not has_blocks:
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+        num_external, load_async = 0, False
+        if self._may_load_remote_kv(request, has_blocks):
+            num_external, load_async = self.kv_connector.get_num_new_matched_tokens(
+                request, num_computed
+            )
+            if num_external is None:
+                return _SKIP
+            if not load_async:  # loaded during the step: at least the last token is computed
+                num_external = min(num_external, request.num_tokens - 1 - num_computed)
+        ec = self.ec_connector
+        if (
+            ec is not None
+            and request.mm_features
+            and not ec.ensure_cache_available(request, num_computed + num_external)
+        ):
+            return _SKIP
+        if load_async and num_external > 0:
+            return self._start_remote_load(request, computed_blocks, num_computed, num_external)
+        return self._admit(request, computed_blocks, num_computed, num_external, st)
+
+    def _may_load_remote_kv(self, request: Request, has_blocks: bool) -> bool:
+        return (
+            self.kv_connector is not None
+            and not has_blocks
+            and request.num_preemptions == 0
+            and request.request_id not in self._no_remote_kv
+        )
+
+    def _start_remote_load(
+        self, request: Request, computed_blocks: list, num_computed: int, num_external: int
+    ) -> int:
+        """Allocate blocks for the remote tokens and park the request until they land."""
+        kv = self.kv_cache_manager
+        new_blocks = kv.allocate_slots(request, 0, num_computed, computed_blocks, num_external)
+        if new_blocks is None:
+            return _STOP
+        block_ids = kv.get_block_ids(request.request_id)
+        self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._remote_loads[request.request_id] = num_computed + num_external
+        return _SKIP
+
+    def _admit(
+        self,
+        request: Request,
+        computed_blocks: list,
+        num_computed: int,
+        num_external: int,
+        st: StepState,
+    ) -> int:
+        """Schedule a waiting request's next chunk: encoder inputs, blocks, bookkeeping."""
+        start = num_computed + num_external
+        num_new = min(request.num_tokens - start, st.token_budget)
+        enc = None
+        if request.mm_features:
+            num_new, enc = plan_encoder_inputs(request, start, num_new, st, *self._enc)
+        kv = self.kv_cache_manager
+        new_blocks = None
+        if num_new > 0:
+            num_hit = num_computed - request.num_computed_tokens  # 0 after a remote load
+            new_blocks = kv.allocate_slots(request, num_new, num_hit, computed_blocks, num_external)
+        if new_blocks is None:
+            self.encoder_cache_manager.free(request)  # references taken while planning
+            return _STOP
+        if enc is not None:
+            commit_encoder_inputs(request, enc, st, *self._enc)
+        if self.kv_connector is not None and request.request_id not in self._no_remote_kv:
+            block_ids = kv.get_block_ids(request.request_id)
+            self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
+        request.num_computed_tokens = start
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = start
+        self._record_admitted(request, st)
+        st.record(request, num_new)
+        return _SCHEDULED
+
+    def _record_admitted(self, request: Request, st: StepState) -> None:
+        rid = request.request_id
+        block_ids = self.kv_cache_manager.get_block_ids(rid)
+        if request.status == RequestStatus.PREEMPTED:
+            st.cached_reqs.req_ids.append(rid)
+            st.cached_reqs.resumed_from_preemption.append(True)
+            st.cached_reqs.new_block_ids.append(block_ids)
+            st.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+        else:
+            st.new_reqs.append(
+                NewRequestData(
+                    rid,
+                    request.prompt_token_ids,
+                    request.mm_features,
+                    request.sampling_params,
+                    block_ids,
+                    request.num_computed_tokens,
+                )
+            )
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _make_output(self, st: StepState) -> SchedulerOutput:
+        out = SchedulerOutput(
+            scheduled_new_reqs=st.new_reqs,
+            scheduled_cached_reqs=st.cached_reqs,
+            num_scheduled_tokens=st.num_scheduled_tokens,
+            total_num_scheduled_tokens=st.total_num_scheduled_tokens,
+            scheduled_encoder_inputs=st.encoder_inputs,
+            finished_req_ids=self.finished_req_ids,
+            free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
+            preempted_req_ids=st.preempted_req_ids,
+        )
+        self.finished_req_ids = set()
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
+        if self.ec_connector is not None:
+            out.ec_connector_metadata = self.ec_connector.build_connector_meta(out)
+        return out
+
+    # ---- update -----------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        index_of = runner_output.req_id_to_index
+        sampled = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        kv = self.kv_cache_manager
+        block_size = kv.block_size if kv.enable_caching else 0
+        requests = self.requests
+        running_status = RequestStatus.RUNNING
+        num_stopped = 0
+        for rid, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(rid)
+            if request is None or request.status != running_status:
+                continue  # finished or preempted since it was scheduled
+            n = request.num_computed_tokens
+            if block_size and n // block_size != (n - num_new) // block_size:
+                kv.cache_blocks(request, n)  # a block filled up this step
+            if request.mm_features:
+                free_consumed_encoder_inputs(request, self.encoder_cache_manager)
+            i = index_of.get(rid)
+            if i is None or not sampled[i]:
+                continue  # partial prefill: no token
+            output = self._append_tokens(request, sampled[i], logprobs[i] if logprobs else None)
+            if output.finish_reason is not None:
+                num_stopped += 1
+            outputs.append(output)
+        if num_stopped:
+            self.running = [r for r in self.running if r.status == running_status]
+        if runner_output.kv_connector_output is not None:
+            outputs.extend(self._update_from_kv_output(runner_output.kv_connector_output))
+        return outputs
+
+    def _append_tokens(
+        self, request: Request, token_ids: list[int], logprobs: list[float] | None
+    ) -> EngineCoreOutput:
+        new_token_ids = token_ids
+        status = None
+        for j, token_id in enumerate(token_ids):
+            request.output_token_ids.append(token_id)
+            if logprobs:
+                request.output_logprobs.append(logprobs[j])
+            status = check_stop(request, token_id, self.max_model_len)
+            if status is not None:
+                new_token_ids = token_ids[: j + 1]
+                break
+        output = EngineCoreOutput(
+            request.request_id,
+            new_token_ids,
+            logprobs[: len(new_token_ids)] if logprobs else None,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+        if status is not None:
+            request.status = status
+            output.finish_reason = request.get_finished_reason()
+            output.stop_reason = request.stop_reason
+            output.kv_transfer_params = self._finish(request)
+        return output
+
+    def _finish(self, request: Request) -> dict | None:
+        """A request just reached a finished status (already out of every queue). Frees its
+        blocks unless the KV connector delays that; returns its kv_transfer_params."""
+        rid = request.request_id
+        self.finished_req_ids.add(rid)
+        delay_free, params = False, None
+        if self.kv_connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(rid)
+            delay_free, params = self.kv_connector.request_finished(request, block_ids)
+        if delay_free:
+            self._pending_sends.add(rid)
+        else:
+            self._free_request(request)
+        return params
+
+    def _free_request(self, request: Request) -> None:
+        rid = request.request_id
+        self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
+        del self.requests[rid]
+        self._remote_loads.pop(rid, None)
+        self._no_remote_kv.discard(rid)
+        self._pending_sends.discard(rid)
+        self._aborted_recving.discard(rid)
+
+    # ---- KV connector events ----------------------------------------------------------
+    def _update_from_kv_output(self, kv_output) -> list[EngineCoreOutput]:
+        outputs = []
+        for rid in kv_output.finished_sending:
+            if rid in self._pending_sends:
+                self._free_request(self.requests[rid])
+        for rid in kv_output.failed_recving:
+            output = self._on_load_failed(rid)
+            if output is not None:
+                outputs.append(output)
+        for rid in kv_output.finished_recving:
+            self._on_load_done(rid)
+        return outputs
+
+    def _on_load_done(self, rid: str) -> None:
+        """Remote KV landed: the request resumes as WAITING with the loaded tokens computed,
+        except the last prompt token when all were loaded (its logits are needed)."""
+        request = self.requests.get(rid)
+        if rid in self._aborted_recving:
+            self._free_request(request)
+            return
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return
+        num_loaded = self._remote_loads.pop(rid)
+        request.num_computed_tokens = min(num_loaded, request.num_tokens - 1)
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.WAITING
+        self._no_remote_kv.add(rid)
+
+    def _on_load_failed(self, rid: str) -> EngineCoreOutput | None:
+        request = self.requests.get(rid)
+        if rid in self._aborted_recving:
+            self._free_request(request)
+            return None
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return None
+        self._remote_loads.pop(rid, None)
+        self._no_remote_kv.add(rid)
+        if self.scheduler_config.kv_load_failure_policy == "recompute":
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING  # stays in skipped_waiting, prefills here
+            return None
+        self.skipped_waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = (
+            f"request {rid!r}: loading its KV cache from the prefill instance failed "
+            "(kv_load_failure_policy='fail')"
+        )
+        params = self._finish(request)
+        return EngineCoreOutput(
+            rid, [], finish_reason="error", error=request.error, kv_transfer_params=params
+        )
+
+    # ---- aborts and external stops ----------------------------------------------------
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        """Finish requests in any state (abort, stop string). Unknown ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        to_finish = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.is_finished():
+                if rid in self._pending_sends:  # finished on P, KV not yet read: free now
+                    self._free_request(request)
+                continue  # aborted while loading: blocks wait for the load to land
+            to_finish.append(request)
+        if not to_finish:
+            return
+        gone = {id(r) for r in to_finish}
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        self.skipped_waiting = deque(r for r in self.skipped_waiting if id(r) not in gone)
+        for request in to_finish:
+            was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            request.status = finished_status
+            if was_loading:
+                self._aborted_recving.add(request.request_id)
+                self.finished_req_ids.add(request.request_id)
+            else:
+                self._finish(request)

@@ -1,0 +1,130 @@
+"""Helpers of one scheduling step: its running state, encoder admission and stop checks.
+
+Kept apart from `engine.scheduler` so that each module reads in one sitting; only the
+scheduler calls these.
+"""
+
+from __future__ import annotations
+
+from connectors.base import ECConnectorBase
+from engine.encoder_cache_manager import EncoderCacheManager
+from engine.outputs import CachedRequestData, NewRequestData
+from engine.request import Request, RequestStatus
+
+EncoderPlan = tuple[list[int], list[int]]  # (feature indices to encode, indices to load)
+
+
+class StepState:
+    """What one schedule() call has decided so far."""
+
+    __slots__ = (
+        "token_budget",
+        "encoder_budget",
+        "total_num_scheduled_tokens",
+        "num_scheduled_tokens",
+        "new_reqs",
+        "cached_reqs",
+        "encoder_inputs",
+        "preempted_req_ids",
+        "step_skipped",
+    )
+
+    def __init__(self, token_budget: int, encoder_budget: int) -> None:
+        self.token_budget = token_budget
+        self.encoder_budget = encoder_budget
+        self.total_num_scheduled_tokens = 0
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.new_reqs: list[NewRequestData] = []
+        self.cached_reqs = CachedRequestData()
+        self.encoder_inputs: dict[str, list[int]] = {}
+        self.preempted_req_ids: set[str] = set()
+        self.step_skipped: list[Request] = []  # passed over this step, order kept
+
+    def record(self, request: Request, num_new: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_new
+        self.total_num_scheduled_tokens += num_new
+        self.token_budget -= num_new
+        request.num_computed_tokens += num_new
+
+
+def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+    """The finished status `token_id` (just appended) puts the request in, if any. Stop
+    strings are not checked here: the engine core's detokenizer calls finish_requests."""
+    params = request.sampling_params
+    num_output = len(request.output_token_ids)
+    if num_output >= params.min_tokens:
+        if token_id == request.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+    if num_output + len(request.prompt_token_ids) >= max_model_len or (
+        params.max_tokens is not None and num_output >= params.max_tokens
+    ):
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None
+
+
+def plan_encoder_inputs(
+    request: Request,
+    num_computed: int,
+    num_new: int,
+    st: StepState,
+    cache: EncoderCacheManager,
+    ec_connector: ECConnectorBase | None,
+) -> tuple[int, EncoderPlan]:
+    """Features overlapping [num_computed, num_computed + num_new) that are not cached yet
+    (cached ones are referenced now). A feature the EC connector holds is loaded: cache space
+    but no compute budget. Where one does not fit, num_new is cut to end before its
+    placeholder run, so no run is scheduled without its encoder output."""
+    to_compute: list[int] = []
+    to_load: list[int] = []
+    planned: set[str] = set()
+    budget = st.encoder_budget
+    num_embeds = 0
+    end = num_computed + num_new
+    for i, f in enumerate(request.mm_features):
+        if f.offset >= end:
+            break
+        if f.end <= num_computed or f.mm_hash in planned:
+            continue
+        if cache.check_and_update_cache(request, i):
+            continue
+        is_remote = ec_connector is not None and ec_connector.has_cache_item(f.mm_hash)
+        if not cache.can_allocate(request, i, float("inf") if is_remote else budget, num_embeds):
+            num_new = max(0, f.offset - num_computed)
+            break
+        (to_load if is_remote else to_compute).append(i)
+        planned.add(f.mm_hash)
+        num_embeds += f.length
+        if not is_remote:
+            budget -= f.length
+    return num_new, (to_compute, to_load)
+
+
+def commit_encoder_inputs(
+    request: Request,
+    plan: EncoderPlan,
+    st: StepState,
+    cache: EncoderCacheManager,
+    ec_connector: ECConnectorBase | None,
+) -> None:
+    """Take cache space for a planned request that was scheduled."""
+    to_compute, to_load = plan
+    for i in to_compute:
+        cache.allocate(request, i)
+        st.encoder_budget -= request.mm_features[i].length
+    if to_compute:
+        st.encoder_inputs[request.request_id] = to_compute
+    for i in to_load:
+        cache.allocate(request, i)
+        ec_connector.update_state_after_alloc(request, i)
+
+
+def free_consumed_encoder_inputs(request: Request, cache: EncoderCacheManager) -> None:
+    """Release encoder outputs whose placeholder runs (every run of that image) are computed."""
+    n = request.num_computed_tokens
+    pending = {f.mm_hash for f in request.mm_features if f.end > n}
+    for i in cache.get_cached_input_ids(request):
+        if request.mm_features[i].mm_hash not in pending:
+            cache.free_encoder_input(request, i)
