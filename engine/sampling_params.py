@@ -36,7 +36,9 @@ class SamplingParams:
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+            raise ValueError(
+                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}"
+            )
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):

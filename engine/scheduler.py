@@ -67,6 +67,7 @@ class Scheduler:
         self._no_remote_kv: set[str] = set()  # loaded or failed once: never ask again
         # KV producer: finished, blocks held until `finished_sending`.
         self._pending_sends: set[str] = set()
+        self.num_preemptions = 0  # since start, across all requests
 
     # ---- intake and queries -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -122,6 +123,7 @@ class Scheduler:
                 1 for r in self.skipped_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             )
             + len(self._aborted_recving),
+            "num_preemptions": self.num_preemptions,
         }
 
     # ---- schedule ---------------------------------------------------------------------
@@ -190,6 +192,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
         st.preempted_req_ids.add(request.request_id)
 

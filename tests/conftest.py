@@ -24,3 +24,18 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def preset_dir(tmp_path_factory):
+    """Factory: the folder of a built-in preset checkpoint, written once per session."""
+    from engine.presets import make_model
+
+    made: dict[str, str] = {}
+
+    def get(preset: str) -> str:
+        if preset not in made:
+            made[preset] = str(make_model(preset, tmp_path_factory.mktemp(preset)))
+        return made[preset]
+
+    return get

@@ -1,0 +1,139 @@
+"""EngineCore: one instance's scheduler, model runner and connectors, stepped by its owner."""
+
+from __future__ import annotations
+
+import torch
+
+from connectors.base import ECConnectorBase, KVConnectorBase
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_model
+from engine.outputs import EngineCoreOutput, KVConnectorOutput, RunnerOutput, SchedulerOutput
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # bf16 matmul is far slower than fp32 on CPUs without AMX.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+class EngineCore:
+    """Steps one instance. Not thread-safe: its owner calls every method from one thread."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_connector: KVConnectorBase | None = None,
+        ec_connector: ECConnectorBase | None = None,
+    ) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        model, self.model_info = load_model(
+            config.model, self.device, self.dtype, config.scheduler.max_model_len
+        )
+        self.tokenizer = Tokenizer(config.model)
+        self.runner = ModelRunner(model, self.model_info, config.cache, self.device, self.dtype)
+        self.scheduler = Scheduler(config.scheduler, config.cache, kv_connector, ec_connector)
+        self.kv_connector = kv_connector
+        self.ec_connector = ec_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.runner.kv_cache)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    # ---- requests --------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError (and changes nothing) when it cannot be served."""
+        self._validate(request)
+        params = request.sampling_params
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for req_id in request_ids:
+            self._detokenizers.pop(req_id, None)
+
+    def _validate(self, request: Request) -> None:
+        max_len = self.config.scheduler.max_model_len
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= max_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; this model serves at most "
+                f"{max_len} tokens including at least one generated token"
+            )
+        vocab = self.model_info.vocab_size
+        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if request.mm_features and not self.model_info.is_multimodal:
+            raise ValueError("this model does not accept images")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests()
+
+    # ---- one step --------------------------------------------------------------------
+    def step(self) -> tuple[list[EngineCoreOutput], bool]:
+        """Schedule, run the model if anything was scheduled, poll connectors, update."""
+        so = self.scheduler.schedule()
+        model_executed = so.total_num_scheduled_tokens > 0 or bool(so.scheduled_encoder_inputs)
+        if self.ec_connector is not None:
+            self.ec_connector.start_load_caches(so.ec_connector_metadata, self.runner.encoder_cache)
+        if self.kv_connector is not None:
+            self.kv_connector.start_load_kv(so.kv_connector_metadata)
+        runner_output = self.runner.execute_model(so)
+        self._after_model(so, runner_output)
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        return self._process_outputs(outputs), model_executed
+
+    def _after_model(self, so: SchedulerOutput, runner_output: RunnerOutput) -> None:
+        if self.ec_connector is not None:
+            for req_id, indices in so.scheduled_encoder_inputs.items():
+                features = self.runner.requests[req_id].mm_features
+                for idx in indices:
+                    self.ec_connector.save_caches(self.runner.encoder_cache, features[idx].mm_hash)
+        if self.kv_connector is not None:
+            self.kv_connector.save_kv(so.kv_connector_metadata)
+            self.kv_connector.wait_for_save()
+            sending, recving = self.kv_connector.get_finished(so.finished_req_ids)
+            runner_output.kv_connector_output = KVConnectorOutput(
+                finished_sending=sending,
+                finished_recving=recving,
+                failed_recving=self.kv_connector.get_failed_loads(),
+            )
+
+    def _process_outputs(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Detokenize, apply stop strings, and forget finished requests' detokenizers."""
+        for out in outputs:
+            detok = self._detokenizers.get(out.request_id)
+            if detok is None:
+                continue
+            out.new_text, stop_str = detok.update(out.new_token_ids, final=out.finished)
+            if stop_str is not None and not out.finished:
+                self.scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_STOPPED)
+                out.finish_reason, out.stop_reason = "stop", stop_str
+            if out.finished:
+                del self._detokenizers[out.request_id]
+        return outputs
+
+    def shutdown(self) -> None:
+        for connector in (self.kv_connector, self.ec_connector):
+            if connector is not None:
+                connector.shutdown()

@@ -1,0 +1,141 @@
+"""Offline API in the style of vLLM: `LLM(model_dir).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core import EngineCore
+from engine.outputs import EngineCoreOutput
+from engine.processor import InputProcessor, PromptType
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+def engine_config_from_args(model: str, **engine_args: Any) -> EngineConfig:
+    """Build an EngineConfig from flat vLLM-style keyword arguments."""
+    groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "engine": {}}
+    owners = {
+        "cache": CacheConfig.__dataclass_fields__,
+        "scheduler": SchedulerConfig.__dataclass_fields__,
+        "engine": {"device", "dtype", "seed"},
+    }
+    for key, value in engine_args.items():
+        owner = next((g for g, names in owners.items() if key in names), None)
+        if owner is None:
+            raise TypeError(f"unknown engine argument {key!r}")
+        groups[owner][key] = value
+    return EngineConfig(
+        model=model,
+        cache=CacheConfig(**groups["cache"]),
+        scheduler=SchedulerConfig(**groups["scheduler"]),
+        **groups["engine"],
+    )
+
+
+class LLM:
+    """One in-process engine instance (no Ray). `model=None` uses the built-in tiny preset."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if model is None:
+            from engine.presets import default_model_dir
+
+            model = str(default_model_dir())
+        self.engine = EngineCore(engine_config_from_args(model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self.processor = InputProcessor(model, self.tokenizer, self.engine.model_info)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of `prompts`."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError("need one SamplingParams per prompt, or a single one")
+        results: dict[str, RequestOutput] = {}
+        for prompt, params in zip(prompt_list, params_list):
+            request = self.processor.process(str(next(self._ids)), prompt, params)
+            self.engine.add_request(request)
+            results[request.request_id] = RequestOutput(
+                request.request_id,
+                request.prompt_token_ids,
+                [CompletionOutput(0, "", [], None, [] if params.logprobs is not None else None)],
+            )
+        self._run(results, use_tqdm)
+        return list(results.values())
+
+    def _run(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        pending = set(results)
+        with tqdm(total=len(pending), disable=not use_tqdm, desc="generate") as bar:
+            while pending:
+                outputs, _ = self.engine.step()
+                for out in outputs:
+                    if out.request_id in pending and _merge(results[out.request_id], out):
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        while self.engine.has_work():  # tell the runner about the last finished requests
+            self.engine.step()
+
+
+def _merge(result: RequestOutput, out: EngineCoreOutput) -> bool:
+    """Fold one step's output into the request's result; True once it finished."""
+    completion = result.outputs[0]
+    completion.token_ids.extend(out.new_token_ids)
+    completion.text += out.new_text
+    if completion.logprobs is not None and out.new_logprobs:
+        completion.logprobs.extend(out.new_logprobs)
+    result.num_cached_tokens = out.num_cached_tokens
+    if out.finished:
+        completion.finish_reason = out.finish_reason
+        completion.stop_reason = out.stop_reason
+    return out.finished
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]  # a single prompt given as token ids
+    return list(prompts)

@@ -1,0 +1,186 @@
+"""Runs one step's batch through the model: encoder inputs, one forward, sampling.
+
+The runner keeps its own per-request state, built from the scheduler's typed messages;
+it never reads the scheduler's queues or mutates a `Request`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, allocate_kv_cache
+from engine.config import CacheConfig
+from engine.models.loader import ModelInfo
+from engine.outputs import NewRequestData, RunnerOutput, SchedulerOutput
+from engine.request import MultiModalFeature
+from engine.sampler import make_generator, sample
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt, then every token sampled here
+    mm_features: list[MultiModalFeature]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        info: ModelInfo,
+        cache_config: CacheConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.info = info
+        self.device = device
+        self.dtype = dtype
+        self.block_size = cache_config.block_size
+        self.kv_cache = allocate_kv_cache(
+            cache_config.num_blocks, cache_config.block_size, info, dtype, device
+        )
+        self.encoder_cache: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, hidden]
+        self.requests: dict[str, CachedRequestState] = {}
+
+    # ---- state updates ---------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for mm_hash in so.free_encoder_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
+        for new in so.scheduled_new_reqs:
+            self._add_new(new)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            new_block_ids = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                state.block_ids = list(new_block_ids or [])
+            elif new_block_ids:
+                state.block_ids.extend(new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    def _add_new(self, new: NewRequestData) -> None:
+        state = self.requests.get(new.req_id)
+        if state is not None:  # re-sent after preemption: keep sampled tokens and RNG state
+            state.block_ids = list(new.block_ids)
+            state.num_computed_tokens = new.num_computed_tokens
+            return
+        self.requests[new.req_id] = CachedRequestState(
+            req_id=new.req_id,
+            token_ids=list(new.prompt_token_ids),
+            mm_features=new.mm_features,
+            sampling_params=new.sampling_params,
+            generator=make_generator(new.sampling_params.seed, self.device),
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+
+    # ---- one step --------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        self._update_states(so)
+        self._run_encoders(so.scheduled_encoder_inputs)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return RunnerOutput()
+        states = [self.requests[r] for r in req_ids]
+        num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
+        meta = AttentionMetadata.build(
+            [s.num_computed_tokens for s in states],
+            num_scheduled,
+            [s.block_ids for s in states],
+            self.block_size,
+            self.device,
+        )
+        input_ids: list[int] = []
+        for s, n in zip(states, num_scheduled):
+            input_ids.extend(s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n])
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
+        embeds = self.model.embed_tokens(ids)  # [T, hidden]
+        if self.info.is_multimodal:
+            self._merge_encoder_outputs(embeds, states, num_scheduled)
+        hidden = self.model.forward(embeds, meta.positions, self.kv_cache, meta)  # [T, hidden]
+        return self._sample(req_ids, states, num_scheduled, hidden[meta.logits_indices])
+
+    def _sample(
+        self,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        num_scheduled: list[int],
+        last_hidden: torch.Tensor,  # [num_reqs, hidden]: each request's last new token
+    ) -> RunnerOutput:
+        # Only requests whose known tokens are all computed after this step sample a token.
+        rows = [
+            i
+            for i, (s, n) in enumerate(zip(states, num_scheduled))
+            if s.num_computed_tokens + n >= len(s.token_ids)
+        ]
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list[list[float]] = [[] for _ in req_ids]
+        if rows:
+            logits = self.model.compute_logits(last_hidden[rows])  # [len(rows), vocab]
+            picked = [states[i] for i in rows]
+            token_ids, token_logprobs = sample(
+                logits, [s.sampling_params for s in picked], [s.generator for s in picked]
+            )
+            for i, tok, lp in zip(rows, token_ids, token_logprobs):
+                states[i].token_ids.append(tok)
+                sampled[i] = [tok]
+                logprobs[i] = [lp]
+        return RunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+        )
+
+    # ---- multimodal ------------------------------------------------------------------
+    def _run_encoders(self, scheduled: dict[str, list[int]]) -> None:
+        """Encode the scheduled images (all in one batch) into the encoder cache."""
+        todo: dict[str, MultiModalFeature] = {}
+        for req_id, indices in scheduled.items():
+            for idx in indices:
+                feature = self.requests[req_id].mm_features[idx]
+                if feature.mm_hash not in self.encoder_cache:
+                    todo[feature.mm_hash] = feature
+        if not todo:
+            return
+        self.encode_features(list(todo.values()))
+
+    @torch.inference_mode()
+    def encode_features(self, features: list[MultiModalFeature]) -> None:
+        """Run the vision encoder on `features` and keep the outputs by mm_hash."""
+        for f in features:
+            if f.pixel_values is None:
+                raise ValueError(f"image {f.mm_hash} has no pixels and no loaded encoder output")
+        pixels = torch.stack([f.pixel_values for f in features]).to(self.device, self.dtype)
+        embeds = self.model.embed_images(pixels)  # [num_images, num_image_tokens, hidden]
+        for f, emb in zip(features, embeds):
+            if emb.shape[0] != f.length:
+                raise ValueError(
+                    f"image {f.mm_hash} has {f.length} placeholders but {emb.shape[0]} embeddings"
+                )
+            self.encoder_cache[f.mm_hash] = emb
+
+    def _merge_encoder_outputs(
+        self, embeds: torch.Tensor, states: list[CachedRequestState], num_scheduled: list[int]
+    ) -> None:
+        """Overwrite placeholder rows of `embeds` [T, hidden] with encoder outputs."""
+        start = 0  # first row of this request in the flattened batch
+        for s, n in zip(states, num_scheduled):
+            lo, hi = s.num_computed_tokens, s.num_computed_tokens + n
+            for f in s.mm_features:
+                a, b = max(lo, f.offset), min(hi, f.end)
+                if a < b:
+                    enc = self.encoder_cache[f.mm_hash]  # [f.length, hidden]
+                    embeds[start + a - lo : start + b - lo] = enc[a - f.offset : b - f.offset]
+            start += n

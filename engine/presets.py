@@ -1,0 +1,554 @@
+"""Built-in model presets: small random-weight checkpoints written in Hugging Face format.
+
+`make_model(preset, out_dir)` writes config.json, model.safetensors (transformers' weight names,
+float32), generation_config.json and a byte-level BPE tokenizer (tokenizer.json,
+tokenizer_config.json with a ChatML chat template, special_tokens_map.json); the LLaVA preset
+adds a CLIP-style preprocessor_config.json. The bytes written depend only on the preset and
+the library versions, never on the run. `default_model_dir(preset)` builds a preset once into
+a cache folder and returns it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+PRESET_VERSION = 1  # bump when any preset's bytes change; part of the cache folder name
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<image>", "<|im_start|>", "<|im_end|>")
+PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, IMAGE_TOKEN_ID, IM_START_ID, IM_END_ID = range(6)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False  # q/k/v biases (Qwen2 layout)
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    image_size: int
+    patch_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    model_type: str  # "llama" | "qwen2" | "llava"
+    text: TextSpec
+    vision: VisionSpec | None = None
+    vocab_size: int = 1536  # target size of the trained tokenizer, special tokens included
+    add_bos_token: bool = True
+    seed: int = 0
+
+
+_TINY_TEXT = TextSpec(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+)
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("tiny-llama", "llama", _TINY_TEXT, seed=1),
+        Preset(
+            "tiny-qwen2",
+            "qwen2",
+            TextSpec(64, 2, 4, 2, 128, attention_bias=True, rope_theta=1000000.0),
+            add_bos_token=False,
+            seed=2,
+        ),
+        Preset(
+            "tiny-llava",
+            "llava",
+            _TINY_TEXT,
+            vision=VisionSpec(
+                image_size=32,
+                patch_size=8,
+                hidden_size=32,
+                num_layers=2,
+                num_heads=2,
+                intermediate_size=64,
+            ),
+            seed=3,
+        ),
+        Preset("small-llama", "llama", TextSpec(768, 10, 12, 4, 2048), seed=4),
+    )
+}
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
+}
+
+# Training text for the built-in tokenizer. Original prose, so that common English words merge.
+_CORPUS = """\
+The morning fog rolled slowly over the hills, and the small town woke up one window at a time.
+A baker opened her shop before sunrise; the smell of fresh bread drifted down the quiet street.
+Children walked to school in pairs, talking about games, homework, and the weekend ahead.
+Nobody noticed the old clock on the tower had stopped at a quarter past seven.
+When the train arrived, travelers stepped onto the platform carrying bags, maps, and umbrellas.
+Some were visiting family; others had come for work, and a few simply wanted to see the sea.
+The river runs through the center of the city, under seven bridges built in different centuries.
+In spring the banks are covered with yellow flowers, and in winter the water sometimes freezes.
+Computers process information by following instructions written as programs.
+A program reads input, performs calculations, stores results in memory, and produces output.
+Modern processors contain billions of transistors that switch on and off many times per second.
+Software engineers design systems, write code, test it carefully, and fix the bugs they find.
+A good system is simple to understand, easy to change, and fast enough for its users.
+Networks connect machines across rooms, buildings, countries, and even the bottom of the ocean.
+Data travels in small packets; each packet knows its destination and finds its own way there.
+When a server receives a request, it sends back a response with a status code and a body.
+Large language models predict the next word in a sentence, one token after another.
+They are trained on huge amounts of text and learn patterns of grammar, facts, and style.
+Serving such a model means managing memory for the cache of keys and values of every request.
+Prefill processes the whole prompt at once, while decode produces new tokens step by step.
+Separating the two phases lets each machine do the work it is best at.
+To cook a simple soup, chop an onion, two carrots, and a potato into small pieces.
+Warm some oil in a pot, add the onion, and stir until it turns soft and golden.
+Add the other vegetables, pour in water or stock, and season with salt and pepper.
+Let it simmer for twenty minutes, then taste it and serve it hot with a slice of bread.
+Scientists observe the natural world, ask questions, and test their ideas with experiments.
+The sun is a star, one of many billions in our galaxy, and the earth travels around it once a year.
+Light from the sun takes about eight minutes to reach us, crossing an enormous distance.
+Plants use that light to turn water and carbon dioxide into sugar and oxygen.
+Animals eat the plants, and other animals eat them, forming long chains of life.
+"Where are you going?" asked the fisherman, pulling his boat onto the sand.
+"To the mountains," said the young woman. "I want to see the snow before it melts."
+He laughed and pointed north. "Follow the road past the farm, then turn left at the old mill."
+She thanked him, lifted her pack, and started walking as the wind picked up from the west.
+History is full of surprising turns: small decisions that changed the lives of millions.
+Libraries keep the memory of those moments in books, letters, photographs, and recordings.
+Reading about the past helps us understand the present and imagine a better future.
+Music can make people feel happy, calm, or sad within a few notes.
+A song usually has verses and a chorus; the melody repeats so that listeners can sing along.
+Musicians practice for years to play their instruments with skill and feeling.
+The weather today is cloudy with a chance of rain in the afternoon and a light breeze.
+Tomorrow will be warmer and sunny, with temperatures rising to twenty four degrees.
+Please remember to bring a jacket if you plan to stay outside after dark.
+Numbers are everywhere: 1, 2, 3, 10, 42, 100, 365, 1000, 2024, and 3.14159.
+The meeting starts at 9:30 and ends at 11:00; lunch is served from 12:15 until 13:45.
+Questions? Answers! Lists, dates, prices like $19.99 or 5%, and emails like team@example.com.
+Thank you for reading. If you have questions, feedback, or ideas, please let us know.
+The cat slept on the warm windowsill while rain tapped gently against the glass.
+Later it woke, stretched its legs, and walked into the kitchen looking for something to eat.
+Every language has its own rules, yet people everywhere tell stories, jokes, and secrets.
+Learning a new language opens doors to new friends, new books, and new ways of thinking.
+Teachers explain difficult ideas with examples, pictures, and patient repetition.
+Students ask questions, make mistakes, and slowly become confident and independent.
+The market was crowded with people buying apples, oranges, cheese, fish, and fresh herbs.
+Sellers called out their prices, and the air was full of voices, colors, and smells.
+An image is a grid of pixels; each pixel has a red, a green, and a blue value.
+A vision encoder turns the picture into a sequence of vectors the language model can read.
+The assistant looked at the photo and described a dog running across a green field.
+Hello! How can I help you today? I can answer questions, summarize text, or write a poem.
+Sure, here is a short summary of the article you shared, followed by three key points.
+First, the results were better than expected. Second, the costs were lower. Third, it scales.
+Finally, remember that simple tools, used well, can solve surprisingly hard problems.
+"""
+
+
+def _corpus_lines() -> list[str]:
+    lines = _CORPUS.splitlines()
+    # Lower- and upper-case copies so that capitalized and shouted words merge too.
+    return lines + [line.lower() for line in lines] + [line.upper() for line in lines[:10]]
+
+
+# The pre-tokenizer split of Qwen2's tokenizer.json (digits one by one, letters grouped);
+# transformers rebuilds a qwen2 tokenizer with exactly this pipeline, so ours must match it.
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def build_tokenizer(preset: Preset) -> Tokenizer:
+    """A deterministic byte-level BPE tokenizer; any UTF-8 text round-trips through it."""
+    tokenizer = Tokenizer(models.BPE())
+    if preset.model_type == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=preset.vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus_lines(), trainer)
+    if preset.add_bos_token:
+        bos = SPECIAL_TOKENS[BOS_TOKEN_ID]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, BOS_TOKEN_ID)]
+        )
+    return tokenizer
+
+
+def chat_template(allow_images: bool, add_bos: bool) -> str:
+    """ChatML. Rendered with trim_blocks/lstrip_blocks, as transformers does."""
+    image = (
+        "<image>" if allow_images else "{{ raise_exception('this model does not take images') }}"
+    )
+    bos = "{{ bos_token }}" if add_bos else ""
+    return (
+        bos + "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% elif message['content'] is not none %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'text' %}{{ part['text'] }}"
+        "{% elif part['type'] in ['image', 'image_url', 'input_image'] %}" + image + "{% else %}"
+        "{{ raise_exception('unsupported content part type: ' + part['type']) }}"
+        "{% endif %}{% endfor %}{% endif %}"
+        "{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+
+
+def _text_config(preset: Preset, vocab_size: int) -> dict:
+    spec = preset.text
+    config = {
+        "architectures": [_ARCHITECTURES[preset.model_type if preset.vision is None else "llama"]],
+        "attention_dropout": 0.0,
+        "bos_token_id": BOS_TOKEN_ID,
+        "dtype": "float32",
+        "eos_token_id": EOS_TOKEN_ID,
+        "hidden_act": "silu",
+        "hidden_size": spec.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": spec.intermediate_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "model_type": "qwen2" if preset.model_type == "qwen2" else "llama",
+        "num_attention_heads": spec.num_heads,
+        "num_hidden_layers": spec.num_layers,
+        "num_key_value_heads": spec.num_kv_heads,
+        "pad_token_id": PAD_TOKEN_ID,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"},
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+    if config["model_type"] == "llama":
+        config |= {
+            "attention_bias": spec.attention_bias,
+            "head_dim": spec.head_dim,
+            "mlp_bias": False,
+            "pretraining_tp": 1,
+        }
+    else:
+        config |= {
+            "layer_types": ["full_attention"] * spec.num_layers,
+            "max_window_layers": spec.num_layers,
+            "sliding_window": None,
+            "use_sliding_window": False,
+        }
+    return dict(sorted(config.items()))
+
+
+def model_config(preset: Preset, vocab_size: int) -> dict:
+    """config.json as transformers 5 writes it for this architecture."""
+    text = _text_config(preset, vocab_size)
+    if preset.vision is None:
+        return text | {"transformers_version": "5.24.0"}
+    vision = preset.vision
+    return {
+        "architectures": [_ARCHITECTURES["llava"]],
+        "dtype": "float32",
+        "image_seq_length": vision.num_patches,
+        "image_token_index": IMAGE_TOKEN_ID,
+        "model_type": "llava",
+        "multimodal_projector_bias": True,
+        "projector_hidden_act": "gelu",
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "transformers_version": "5.24.0",
+        "vision_config": {
+            "attention_dropout": 0.0,
+            "hidden_act": "quick_gelu",
+            "hidden_size": vision.hidden_size,
+            "image_size": vision.image_size,
+            "initializer_factor": 1.0,
+            "initializer_range": 0.02,
+            "intermediate_size": vision.intermediate_size,
+            "layer_norm_eps": 1e-5,
+            "model_type": "clip_vision_model",
+            "num_attention_heads": vision.num_heads,
+            "num_channels": 3,
+            "num_hidden_layers": vision.num_layers,
+            "patch_size": vision.patch_size,
+            "projection_dim": vision.hidden_size,
+        },
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+    }
+
+
+@dataclass(frozen=True)
+class Param:
+    """One checkpoint tensor and how it is initialised.
+
+    Kinds: "linear" N(0, gain^2/fan_in) keeps activations O(1) so attention is far from uniform;
+    the residual-branch outputs use gain 1/sqrt(2 * num_layers) so the token embedding stays
+    visible at the top of the stack (deep random stacks otherwise repeat tokens); "norm"
+    1 + N(0, 0.1^2) and "bias" N(0, 0.1^2) so a loader that ignores them is caught; "embed"
+    N(0, 1); "head" gives logits of std ~3, so greedy argmax margins dwarf float noise.
+    """
+
+    shape: tuple[int, ...]
+    kind: str
+    gain: float = 1.0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _text_params(spec: TextSpec, vocab_size: int, prefix: str) -> dict[str, Param]:
+    h, inter = spec.hidden_size, spec.intermediate_size
+    q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    out_gain = (2 * spec.num_layers) ** -0.5
+    params = {f"{prefix}embed_tokens.weight": Param((vocab_size, h), "embed")}
+    for i in range(spec.num_layers):
+        layer = f"{prefix}layers.{i}."
+        params |= {
+            layer + "self_attn.q_proj.weight": Param((q_dim, h), "linear"),
+            layer + "self_attn.k_proj.weight": Param((kv_dim, h), "linear"),
+            layer + "self_attn.v_proj.weight": Param((kv_dim, h), "linear"),
+            layer + "self_attn.o_proj.weight": Param((h, q_dim), "linear", out_gain),
+            layer + "mlp.gate_proj.weight": Param((inter, h), "linear"),
+            layer + "mlp.up_proj.weight": Param((inter, h), "linear"),
+            layer + "mlp.down_proj.weight": Param((h, inter), "linear", out_gain),
+            layer + "input_layernorm.weight": Param((h,), "norm"),
+            layer + "post_attention_layernorm.weight": Param((h,), "norm"),
+        }
+        if spec.attention_bias:
+            params |= {
+                layer + "self_attn.q_proj.bias": Param((q_dim,), "bias"),
+                layer + "self_attn.k_proj.bias": Param((kv_dim,), "bias"),
+                layer + "self_attn.v_proj.bias": Param((kv_dim,), "bias"),
+            }
+    params[f"{prefix}norm.weight"] = Param((h,), "norm")
+    return params
+
+
+def _vision_params(spec: VisionSpec, text_hidden: int) -> dict[str, Param]:
+    h, p, inter = spec.hidden_size, spec.patch_size, spec.intermediate_size
+    out_gain = (2 * spec.num_layers) ** -0.5
+    tower = "model.vision_tower."
+    params = {
+        tower + "embeddings.class_embedding": Param((h,), "embed"),
+        tower + "embeddings.patch_embedding.weight": Param((h, 3, p, p), "linear"),
+        tower + "embeddings.position_embedding.weight": Param((spec.num_patches + 1, h), "embed"),
+    }
+    norms = ["pre_layrnorm", "post_layernorm"]
+    linears = {
+        "model.multi_modal_projector.linear_1": Param((text_hidden, h), "linear"),
+        "model.multi_modal_projector.linear_2": Param((text_hidden, text_hidden), "linear"),
+    }
+    for i in range(spec.num_layers):
+        layer = f"{tower}encoder.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj"):
+            linears[layer + "self_attn." + name] = Param((h, h), "linear")
+        linears[layer + "self_attn.out_proj"] = Param((h, h), "linear", out_gain)
+        linears[layer + "mlp.fc1"] = Param((inter, h), "linear")
+        linears[layer + "mlp.fc2"] = Param((h, inter), "linear", out_gain)
+        norms += [f"encoder.layers.{i}.layer_norm1", f"encoder.layers.{i}.layer_norm2"]
+    for name in norms:
+        params[tower + name + ".weight"] = Param((h,), "norm")
+        params[tower + name + ".bias"] = Param((h,), "bias")
+    for name, weight in linears.items():
+        params[name + ".weight"] = weight
+        params[name + ".bias"] = Param(weight.shape[:1], "bias")
+    return params
+
+
+def weight_params(preset: Preset, vocab_size: int) -> dict[str, Param]:
+    """Every tensor of the checkpoint, by transformers' weight name."""
+    if preset.vision is None:
+        params = _text_params(preset.text, vocab_size, "model.")
+    else:
+        params = _vision_params(preset.vision, preset.text.hidden_size)
+        params |= _text_params(preset.text, vocab_size, "model.language_model.")
+    params["lm_head.weight"] = Param((vocab_size, preset.text.hidden_size), "head")
+    return params
+
+
+def _init_tensor(name: str, param: Param, seed: int) -> torch.Tensor:
+    """Each tensor has its own generator, seeded by the preset and its name."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+    fan_in = math.prod(param.shape[1:])
+    if param.kind == "linear":
+        return noise * (param.gain / fan_in**0.5)
+    if param.kind == "norm":
+        return 1.0 + 0.1 * noise
+    if param.kind == "bias":
+        return 0.1 * noise
+    if param.kind == "head":
+        return noise * (3.0 / fan_in**0.5)
+    return noise  # "embed"
+
+
+def num_params(preset: str | Preset) -> int:
+    """Parameter count of a preset, without generating it."""
+    preset = PRESETS[preset] if isinstance(preset, str) else preset
+    vocab_size = build_tokenizer(preset).get_vocab_size()
+    return sum(param.numel for param in weight_params(preset, vocab_size).values())
+
+
+def _tokenizer_config(preset: Preset) -> dict:
+    added = {
+        str(i): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, token in enumerate(SPECIAL_TOKENS)
+    }
+    return {
+        "add_bos_token": preset.add_bos_token,
+        "add_eos_token": False,
+        "added_tokens_decoder": added,
+        "bos_token": SPECIAL_TOKENS[BOS_TOKEN_ID] if preset.add_bos_token else None,
+        "chat_template": chat_template(preset.vision is not None, preset.add_bos_token),
+        "clean_up_tokenization_spaces": False,
+        "eos_token": SPECIAL_TOKENS[EOS_TOKEN_ID],
+        "model_max_length": preset.text.max_position_embeddings,
+        "pad_token": SPECIAL_TOKENS[PAD_TOKEN_ID],
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+
+
+def _preprocessor_config(vision: VisionSpec) -> dict:
+    return {
+        "crop_size": {"height": vision.image_size, "width": vision.image_size},
+        "do_center_crop": True,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": list(CLIP_MEAN),
+        "image_processor_type": "CLIPImageProcessor",
+        "image_std": list(CLIP_STD),
+        "resample": 3,  # PIL bicubic
+        "rescale_factor": 1 / 255,
+        "size": {"shortest_edge": vision.image_size},
+    }
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def make_model(preset: str, out_dir: str | Path) -> Path:
+    """Write the preset's checkpoint folder (created if missing) and return its path."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    spec = PRESETS[preset]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer(spec)
+    vocab_size = tokenizer.get_vocab_size()
+    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(spec))
+    special_map = {"eos_token": "</s>", "pad_token": "<pad>"}
+    if spec.add_bos_token:
+        special_map["bos_token"] = "<s>"
+    _write_json(out / "special_tokens_map.json", dict(sorted(special_map.items())))
+
+    _write_json(out / "config.json", model_config(spec, vocab_size))
+    generation = {
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": [EOS_TOKEN_ID, IM_END_ID],
+        "pad_token_id": PAD_TOKEN_ID,
+        "transformers_version": "5.24.0",
+    }
+    _write_json(out / "generation_config.json", generation)
+    if spec.vision is not None:
+        _write_json(out / "preprocessor_config.json", _preprocessor_config(spec.vision))
+
+    tensors = {
+        name: _init_tensor(name, param, spec.seed)
+        for name, param in sorted(weight_params(spec, vocab_size).items())
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("PDCLUSTER_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "pdcluster"
+
+
+def default_model_dir(preset: str = "tiny-llava") -> Path:
+    """The preset's checkpoint in the cache ($PDCLUSTER_CACHE or ~/.cache/pdcluster), built
+    on first use. A finished folder appears atomically: it is written under a temporary name
+    and renamed, so a concurrent or interrupted builder never exposes a partial checkpoint."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    final = _cache_root() / "models" / f"{preset}-v{PRESET_VERSION}"
+    if (final / "model.safetensors").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        make_model(preset, tmp)
+        os.rename(tmp, final)
+    except OSError as e:
+        if not (final / "model.safetensors").is_file():  # not a lost race with another builder
+            raise OSError(f"could not build {final} (remove it if partial): {e}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,52 @@
+"""Token sampling for one step's batch of logits."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> tuple[list[int], list[float]]:
+    """Pick one token per row and return (token_ids, logprobs of those tokens).
+
+    logits: [num_reqs, vocab] float32. Log-probabilities are those of the model's own
+    distribution (before temperature / top-k / top-p), as in vLLM.
+    """
+    logprobs = torch.log_softmax(logits, dim=-1)  # [num_reqs, vocab]
+    token_ids = logits.argmax(dim=-1)  # [num_reqs]
+    for row, p in enumerate(params):
+        if not p.greedy:
+            probs = _filtered_probs(logits[row], p)  # [vocab]
+            token_ids[row] = torch.multinomial(probs, 1, generator=generators[row])[0]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    return token_ids.tolist(), chosen.tolist()
+
+
+def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (nucleus) on one row of logits: [vocab]."""
+    scaled = logits / p.temperature
+    if p.top_k > 0 and p.top_k < scaled.numel():
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return probs
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    """A per-request generator for a seeded request; None uses torch's global RNG."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
