@@ -197,12 +197,12 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
-        stop: Iterable[str] = (),
+        stop: Iterable[str] | str | None = (),
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self.stop = [s for s in stop if s]
+        self.stop = [stop] if isinstance(stop, str) else [s for s in stop or () if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
 
