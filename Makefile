@@ -3,32 +3,48 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Torch is pinned and installed first, as a CPU build: an unpinned torch would pull a
+# multi-GB CUDA build. Where no CPU wheel is preinstalled, point pip at one, e.g.
+# make test TORCH_PIP_ARGS="--index-url <PyTorch CPU wheel index>".
+TORCH ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+# Topology config for `pdcluster serve`, used once the gateway lands.
 CONFIG ?= ray_configs/local-1e1p1d.yaml
+PROMPT ?= Hello
 
 .PHONY: setup serve test test-slow lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
 setup: $(STAMP)
 
+# Until the gateway lands: an offline demo on the built-in tiny-llava preset (no Ray).
+# Then: $(VENV)/bin/pdcluster serve --config $(CONFIG)
 serve: $(STAMP)
-	$(VENV)/bin/pdcluster serve --config $(CONFIG)
+	$(VENV)/bin/pdcluster generate "$(PROMPT)"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# pytest exits 5 when it ran no test; that is a failure here, and says so.
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no test (exit 5)" >&2; fi; \
+	exit $$rc
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-slow: pytest ran no test (exit 5)" >&2; fi; \
+	exit $$rc
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.scheduler_step
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

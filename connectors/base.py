@@ -89,6 +89,9 @@ class KVConnectorBase(ABC):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving) since the last call."""
 
+    def cancel_sends(self, request_ids: list[str]) -> None:  # noqa: B027
+        """Producer: these requests were aborted; stop holding their KV for a reader."""
+
     def get_failed_loads(self) -> set[str]:
         """Requests whose load failed since the last call (policy decides what follows)."""
         return set()

@@ -67,7 +67,10 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort in any state; a producer also stops holding the KV for a remote reader."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self.kv_connector is not None:
+            self.kv_connector.cancel_sends(request_ids)
         for req_id in request_ids:
             self._detokenizers.pop(req_id, None)
 
@@ -88,6 +91,16 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
+
+    def request_ids(self) -> list[str]:
+        """Every request this instance holds state for, finished-but-held ones included."""
+        return list(self.scheduler.requests)
+
+    def stats(self) -> dict[str, int]:
+        stats = self.scheduler.stats()
+        for connector in (self.kv_connector, self.ec_connector):
+            stats.update(getattr(connector, "stats", dict)())
+        return stats
 
     # ---- one step --------------------------------------------------------------------
     def step(self) -> tuple[list[EngineCoreOutput], bool]:

@@ -13,6 +13,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core import EngineCore
 from engine.outputs import EngineCoreOutput
 from engine.processor import InputProcessor, PromptType
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[float] | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # why, when finish_reason is "error"
 
 
 @dataclass
@@ -98,11 +100,7 @@ class LLM:
         for prompt, params in zip(prompt_list, params_list):
             request = self.processor.process(str(next(self._ids)), prompt, params)
             self.engine.add_request(request)
-            results[request.request_id] = RequestOutput(
-                request.request_id,
-                request.prompt_token_ids,
-                [CompletionOutput(0, "", [], None, [] if params.logprobs is not None else None)],
-            )
+            results[request.request_id] = new_request_output(request)
         self._run(results, use_tqdm)
         return list(results.values())
 
@@ -112,14 +110,21 @@ class LLM:
             while pending:
                 outputs, _ = self.engine.step()
                 for out in outputs:
-                    if out.request_id in pending and _merge(results[out.request_id], out):
+                    if out.request_id in pending and merge_output(results[out.request_id], out):
                         pending.discard(out.request_id)
                         bar.update(1)
         while self.engine.has_work():  # tell the runner about the last finished requests
             self.engine.step()
 
 
-def _merge(result: RequestOutput, out: EngineCoreOutput) -> bool:
+def new_request_output(request: Request) -> RequestOutput:
+    """An empty result for `request`, filled by `merge_output` as outputs arrive."""
+    logprobs = [] if request.sampling_params.logprobs is not None else None
+    completion = CompletionOutput(0, "", [], None, logprobs)
+    return RequestOutput(request.request_id, request.prompt_token_ids, [completion])
+
+
+def merge_output(result: RequestOutput, out: EngineCoreOutput) -> bool:
     """Fold one step's output into the request's result; True once it finished."""
     completion = result.outputs[0]
     completion.token_ids.extend(out.new_token_ids)
@@ -130,6 +135,7 @@ def _merge(result: RequestOutput, out: EngineCoreOutput) -> bool:
     if out.finished:
         completion.finish_reason = out.finish_reason
         completion.stop_reason = out.stop_reason
+        completion.error = out.error
     return out.finished
 
 

@@ -552,3 +552,15 @@ def default_model_dir(preset: str = "tiny-llava") -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def resolve_model_dir(model: str | None) -> str:
+    """A checkpoint folder: `model` itself, or a built-in preset ('preset:<name>', or None for
+    the default preset) made on first use."""
+    if model is None:
+        return str(default_model_dir())
+    if model.startswith("preset:"):
+        return str(default_model_dir(model.removeprefix("preset:")))
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(f"{model} is not a checkpoint folder (no config.json)")
+    return model

@@ -67,19 +67,31 @@ def load_model(
     """Build the model of `model_dir` and load its weights. `max_model_len` (default: the
     config's max_position_embeddings) only decides whether a sliding window can be ignored."""
     path = Path(model_dir)
-    config = _read_json(path / "config.json")
-    if config is None:
-        raise FileNotFoundError(f"no config.json in {model_dir}")
-    architecture = (config.get("architectures") or [None])[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"architecture {architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
-        )
+    architecture, config = _read_config(path)
     model, info, text_cfg_dict, text_type = _build(architecture, config, path)
     check_sliding_window(text_cfg_dict, text_type, max_model_len or info.max_position_embeddings)
     state = _read_weights(path, model, device, dtype)
     _assign_weights(model, state)
     return model.eval().requires_grad_(False), info
+
+
+def read_model_info(model_dir: str) -> ModelInfo:
+    """The model's shape and special tokens, without loading any weight."""
+    path = Path(model_dir)
+    architecture, config = _read_config(path)
+    return _build(architecture, config, path)[1]
+
+
+def _read_config(path: Path) -> tuple[str, dict[str, Any]]:
+    config = _read_json(path / "config.json")
+    if config is None:
+        raise FileNotFoundError(f"no config.json in {path}")
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
+        )
+    return architecture, config
 
 
 def _build(architecture: str, config: dict[str, Any], path: Path):

@@ -1,0 +1,243 @@
+"""InstanceActor: one E, P, D or mixed instance as a Ray actor with its own step loop.
+
+The engine is stepped on a dedicated thread; Ray calls arrive on the actor's event loop and
+talk to that thread through an inbox (commands in) and per-request asyncio queues (outputs
+out). The loop keeps stepping while the scheduler has any request, including finished ones
+whose blocks await a remote ack or whose KV load is in flight; after a step that ran no
+model it yields about 1 ms; it blocks on the inbox only when there is nothing at all to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from connectors.ray_ec import RayECConnector
+from connectors.ray_kv import RayKVConnector
+from engine.config import EngineConfig
+from engine.core import EngineCore, resolve_device, resolve_dtype
+from engine.encoder_core import EncoderCore
+from engine.outputs import EngineCoreOutput
+from engine.presets import resolve_model_dir
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("encoder", "prefill", "decode", "mixed")
+IDLE_YIELD_S = 0.001  # after a step that ran no model
+INBOX_POLL_S = 0.1  # how often an idle loop wakes to notice shutdown
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    instance_id: str  # also the Ray actor name: consumers ack producers by it
+    role: str
+    engine: EngineConfig
+    kv_lease_s: float = 60.0
+    kv_load_timeout_s: float = 60.0
+    ec_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+
+def build_core(spec: InstanceSpec) -> EngineCore | EncoderCore:
+    """The engine for a role, with the connectors that role needs."""
+    device = resolve_device(spec.engine.device)
+    dtype = resolve_dtype(spec.engine.dtype, device)
+    if spec.role == "encoder":
+        return EncoderCore(spec.engine, RayECConnector("producer", spec.ec_timeout_s))
+    kv = None
+    if spec.role in ("prefill", "decode"):
+        kv = RayKVConnector(
+            engine_id=spec.instance_id,
+            role="producer" if spec.role == "prefill" else "consumer",
+            block_size=spec.engine.cache.block_size,
+            lease_s=spec.kv_lease_s,
+            load_timeout_s=spec.kv_load_timeout_s,
+        )
+    ec = RayECConnector("consumer", spec.ec_timeout_s, device, dtype)
+    return EngineCore(spec.engine, kv_connector=kv, ec_connector=ec)
+
+
+class InstanceActor:
+    """Wrap with `ray.remote(InstanceActor)`; see actors/launch helpers in cluster/launch.py."""
+
+    def __init__(self, spec: InstanceSpec) -> None:
+        logging.basicConfig(level=logging.INFO)
+        # Each node resolves the model itself (a preset is written locally on first use).
+        engine = dataclasses.replace(spec.engine, model=resolve_model_dir(spec.engine.model))
+        spec = dataclasses.replace(spec, engine=engine)
+        self.spec = spec
+        self.core = build_core(spec)
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._mm_hashes: dict[str, list[str]] = {}  # encoder: request id -> its images
+        self._encoded: dict[str, dict[str, np.ndarray]] = {}  # encoder: finished outputs
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stats: dict[str, Any] = {}
+        self._stopping = False
+        self._num_steps = 0
+        self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
+        self._thread.start()
+
+    # ---- Ray-facing API (runs on the actor's event loop) --------------------------------
+    async def generate(
+        self, request: Request, ec_handle: list[ray.ObjectRef] | None = None
+    ) -> AsyncIterator[list[EngineCoreOutput]]:
+        """Stream a request's outputs, batched per step. Closing the stream aborts it."""
+        stream = self._open_stream(request.request_id)
+        self._inbox.put(("add", (request, ec_handle)))
+        finished = False
+        try:
+            while not finished:
+                batch = await _drain(stream)
+                finished = batch[-1].finished
+                yield batch
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self._inbox.put(("abort", [request.request_id]))
+
+    async def encode(self, request: Request) -> dict[str, np.ndarray]:
+        """Encoder role: the encoder outputs of every image of `request`, by mm_hash."""
+        if self.spec.role != "encoder":
+            raise ValueError(f"instance {self.spec.instance_id} is not an encoder")
+        stream = self._open_stream(request.request_id)
+        self._mm_hashes[request.request_id] = [f.mm_hash for f in request.mm_features]
+        self._inbox.put(("add", (request, None)))
+        try:
+            out = (await _drain(stream))[-1]
+        finally:
+            self._streams.pop(request.request_id, None)
+        outputs = self._encoded.pop(request.request_id, {})
+        if out.finish_reason == "error":
+            raise ValueError(out.error or "encoding failed")
+        return outputs
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self._inbox.put(("abort", list(request_ids)))
+
+    async def ack_kv(self, request_id: str) -> None:
+        """A consumer has read this request's KV (producer role)."""
+        kv = getattr(self.core, "kv_connector", None)
+        if kv is not None:
+            kv.ack(request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    async def health(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._inbox.put(("wake", None))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+        self.core.shutdown()
+
+    def _open_stream(self, request_id: str) -> asyncio.Queue:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        return stream
+
+    # ---- the step loop (its own thread) -------------------------------------------------
+    def _run(self) -> None:
+        self._publish_stats()
+        while not self._stopping:
+            self._drain_inbox(block=not self.core.has_work())
+            if not self.core.has_work():
+                continue
+            try:
+                outputs, model_executed = self.core.step()
+            except Exception as exc:  # noqa: BLE001 - a step failure must not kill the actor
+                logger.exception("step failed on %s", self.spec.instance_id)
+                self._fail_all(f"internal error on {self.spec.instance_id}: {exc}")
+                continue
+            self._num_steps += 1
+            for out in outputs:
+                self._deliver(out)
+            if isinstance(self.core, EncoderCore):
+                self.core.ec_connector.clear_outbox()
+            self._publish_stats()
+            if not model_executed:
+                time.sleep(IDLE_YIELD_S)
+        self._fail_all("instance is shutting down")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            command, arg = (
+                self._inbox.get(timeout=INBOX_POLL_S) if block else self._inbox.get_nowait()
+            )
+        except queue.Empty:
+            return
+        while True:
+            self._handle(command, arg)
+            try:
+                command, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        self._publish_stats()
+
+    def _handle(self, command: str, arg: Any) -> None:
+        if command == "add":
+            request, ec_handle = arg
+            try:
+                self.core.add_request(request)
+            except ValueError as exc:
+                self._deliver(
+                    EngineCoreOutput(request.request_id, [], finish_reason="error", error=str(exc))
+                )
+                return
+            ec = getattr(self.core, "ec_connector", None)
+            if ec_handle and isinstance(ec, RayECConnector):
+                ec.add_handle(request.request_id, ec_handle)
+        elif command == "abort":
+            self.core.abort_requests(arg)
+            for request_id in arg:  # an open stream learns of its abort
+                self._deliver(EngineCoreOutput(request_id, [], finish_reason="abort"))
+
+    def _deliver(self, out: EngineCoreOutput) -> None:
+        if self.spec.role == "encoder" and out.finished:
+            hashes = self._mm_hashes.pop(out.request_id, [])
+            self._encoded[out.request_id] = self.core.ec_connector.take_outputs(hashes)
+        stream = self._streams.get(out.request_id)
+        if stream is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(stream.put_nowait, out)
+
+    def _fail_all(self, message: str) -> None:
+        """Finish every request with an error (after an internal failure or at shutdown)."""
+        request_ids = self.core.request_ids()
+        self.core.abort_requests(request_ids)
+        for request_id in request_ids:
+            self._deliver(EngineCoreOutput(request_id, [], finish_reason="error", error=message))
+
+    def _publish_stats(self) -> None:
+        """A snapshot read by `stats()`: the step thread alone touches the engine."""
+        stats: dict[str, Any] = {"id": self.spec.instance_id, "role": self.spec.role}
+        stats.update(self.core.stats())
+        stats["num_steps"] = self._num_steps
+        self._stats = stats
+
+
+async def _drain(stream: asyncio.Queue) -> list[EngineCoreOutput]:
+    """Wait for one output, then take every other one already queued (one batch per yield)."""
+    batch = [await stream.get()]
+    while not stream.empty():
+        batch.append(stream.get_nowait())
+    return batch

@@ -1,0 +1,210 @@
+"""RouterActor: runs the E->P->D flow of DESIGN.md for each request and streams tokens back.
+
+E and P get their work at once (P defers the request until E's output is local); P runs the
+prompt with max_tokens=1 and hands D the KV through `kv_transfer_params`; D streams the
+rest. Any instance holding state for a request is told when the request is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+
+from cluster.router import Plan, RouterConfig, RouterPolicy
+from engine.outputs import EngineCoreOutput
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+HEALTH_INTERVAL_S = 1.0
+HEALTH_TIMEOUT_S = 5.0
+
+
+class RouterActor:
+    """Wrap with `ray.remote(RouterActor)`. `roles`: instance id (its actor's name) -> role.
+    Instances are found by name, so a restarted router finds them again."""
+
+    def __init__(self, roles: dict[str, str], config: RouterConfig) -> None:
+        self.config = config
+        self.handles: dict[str, ActorHandle] = {iid: ray.get_actor(iid) for iid in roles}
+        self.policy = RouterPolicy(dict(roles), config)
+        self._holders: dict[str, set[str]] = {}  # request id -> instances holding its state
+        self._health_task: asyncio.Task | None = None
+
+    # ---- public API --------------------------------------------------------------------
+    async def generate(self, request: Request) -> AsyncIterator[list[EngineCoreOutput]]:
+        """Stream one request's outputs (batches of EngineCoreOutput) until it finishes."""
+        self._start_health_checks()
+        rid = request.request_id
+        if rid in self._holders:
+            yield [_error(rid, f"request id {rid!r} is already in use")]
+            return
+        self._holders[rid] = set()
+        finished = False
+        try:
+            plan = self.policy.plan(request.prompt_token_ids, bool(request.mm_features))
+            flow = self._disaggregated if plan.disaggregated else self._colocated
+            async for batch in flow(plan, request):
+                finished = batch[-1].finished
+                yield batch
+        except RuntimeError as exc:  # no live instance, or one died mid-request
+            finished = True
+            yield [_error(rid, str(exc))]
+        finally:
+            if not finished:
+                await self.abort(rid)
+            self._holders.pop(rid, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort everywhere the request holds state (queued, deferred, prefilling, held
+        for D, loading on D, decoding)."""
+        for iid in self._holders.get(request_id, ()):
+            self.handles[iid].abort.remote([request_id])
+
+    async def cluster_stats(self) -> list[dict[str, Any]]:
+        ids = list(self.handles)
+        results = await asyncio.gather(
+            *(self.handles[i].stats.remote() for i in ids), return_exceptions=True
+        )
+        stats = []
+        for iid, result in zip(ids, results):
+            load = self.policy.instances[iid]
+            if isinstance(result, BaseException):
+                result = {"id": iid, "role": load.role}
+            stats.append(
+                {**result, "healthy": load.healthy and not isinstance(result, BaseException)}
+            )
+        return stats
+
+    async def num_in_flight(self) -> int:
+        return len(self._holders)
+
+    # ---- flows -------------------------------------------------------------------------
+    async def _colocated(
+        self, plan: Plan, request: Request
+    ) -> AsyncIterator[list[EngineCoreOutput]]:
+        ec_handle = self._start_encode(plan, request)
+        max_tokens = _max_tokens(request, self.config)
+        self.policy.on_decode_start(plan.decode_id, request.prompt_token_ids, max_tokens)
+        try:
+            async for batch in self._stream(plan.decode_id, request, ec_handle):
+                yield batch
+        finally:
+            self.policy.on_decode_end(plan.decode_id, request.num_prompt_tokens + max_tokens)
+
+    async def _disaggregated(
+        self, plan: Plan, request: Request
+    ) -> AsyncIterator[list[EngineCoreOutput]]:
+        ec_handle = self._start_encode(plan, request)
+        prefill_request = _for_prefill(request)
+        self.policy.on_prefill_start(plan.prefill_id, request.prompt_token_ids)
+        last = None
+        try:
+            async for batch in self._stream(plan.prefill_id, prefill_request, ec_handle):
+                last = batch[-1]
+        finally:
+            self.policy.on_prefill_end(plan.prefill_id, request.num_prompt_tokens)
+        if last is None or not last.new_token_ids or last.finish_reason != "length":
+            yield [last or _error(request.request_id, "prefill returned nothing")]
+            return  # error, abort, EOS or a stop string on the first token: P is done
+        params = last.kv_transfer_params
+        if _done_after_first_token(request, self.config) or params is None:
+            if params is not None:  # nobody will read the KV: let P free it now
+                self.handles[plan.prefill_id].abort.remote([request.request_id])
+            yield [last]
+            return
+        yield [dataclasses.replace(last, finish_reason=None, kv_transfer_params=None)]
+        decode_request = _for_decode(request, last.new_token_ids[0], params)
+        max_tokens = _max_tokens(decode_request, self.config)
+        self.policy.on_decode_start(plan.decode_id, decode_request.prompt_token_ids, max_tokens)
+        try:
+            async for batch in self._stream(plan.decode_id, decode_request, None):
+                yield batch
+        finally:
+            self.policy.on_decode_end(plan.decode_id, decode_request.num_prompt_tokens + max_tokens)
+
+    def _start_encode(self, plan: Plan, request: Request) -> list[ray.ObjectRef] | None:
+        """Send the images to E without waiting; P gets the call's ref as its EC handle."""
+        if plan.encoder_id is None:
+            return None
+        self._holders[request.request_id].add(plan.encoder_id)
+        return [self.handles[plan.encoder_id].encode.remote(request)]
+
+    async def _stream(
+        self, instance_id: str, request: Request, ec_handle: list[ray.ObjectRef] | None
+    ) -> AsyncIterator[list[EngineCoreOutput]]:
+        self._holders[request.request_id].add(instance_id)
+        try:
+            async for ref in self.handles[instance_id].generate.remote(request, ec_handle):
+                yield await ref
+        except ray.exceptions.RayActorError as exc:
+            self.policy.mark_dead(instance_id)
+            raise RuntimeError(f"instance {instance_id} died serving the request") from exc
+
+    # ---- health ------------------------------------------------------------------------
+    def _start_health_checks(self) -> None:
+        if self._health_task is None:
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            for iid, handle in self.handles.items():
+                try:
+                    ok = await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
+                except (ray.exceptions.RayError, asyncio.TimeoutError):
+                    ok = False
+                if ok:
+                    self.policy.mark_alive(iid)
+                elif self.policy.instances[iid].healthy:
+                    logger.warning("instance %s is unhealthy; routing around it", iid)
+                    self.policy.mark_dead(iid)
+
+
+def _max_tokens(request: Request, config: RouterConfig) -> int:
+    room = config.max_model_len - request.num_prompt_tokens
+    asked = request.sampling_params.max_tokens
+    return room if asked is None else min(asked, room)
+
+
+def _done_after_first_token(request: Request, config: RouterConfig) -> bool:
+    return _max_tokens(request, config) <= 1
+
+
+def _for_prefill(request: Request) -> Request:
+    """P computes the prompt and one token, then holds the KV for D."""
+    params = dataclasses.replace(request.sampling_params, max_tokens=1, min_tokens=0)
+    return _copy(request, request.prompt_token_ids, params, {"do_remote_decode": True})
+
+
+def _for_decode(request: Request, first_token: int, kv_transfer_params: dict) -> Request:
+    """D continues after P's first token, reading the prompt's KV from P."""
+    p = request.sampling_params
+    params = dataclasses.replace(
+        p,
+        max_tokens=None if p.max_tokens is None else p.max_tokens - 1,
+        min_tokens=max(0, p.min_tokens - 1),
+    )
+    return _copy(request, [*request.prompt_token_ids, first_token], params, kv_transfer_params)
+
+
+def _copy(request: Request, prompt: list[int], params, kv_transfer_params: dict) -> Request:
+    return Request(
+        request.request_id,
+        prompt,
+        params,
+        eos_token_id=request.eos_token_id,
+        mm_features=request.mm_features,
+        kv_transfer_params=kv_transfer_params,
+        arrival_time=request.arrival_time,
+    )
+
+
+def _error(request_id: str, message: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id, [], finish_reason="error", error=message)

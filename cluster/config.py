@@ -1,0 +1,160 @@
+"""Cluster configuration: pydantic at the boundary, converted to frozen dataclasses inside.
+
+A topology is counts and resources per role (encoder, prefill, decode, mixed) around one
+model. Loaded from YAML (see ray_configs/) or built in Python.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+ROLES = ("encoder", "prefill", "decode", "mixed")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSettings(_Strict):
+    """Per-instance engine settings (a role may override any of them)."""
+
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    num_blocks: int = Field(1024, ge=1, description="KV blocks in each instance's pool")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    max_num_seqs: int = Field(128, ge=1, description="running requests at most")
+    max_model_len: int = Field(2048, ge=2, description="prompt + output tokens at most")
+    enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
+    encoder_compute_budget: int = Field(4096, ge=1, description="encoder embeddings per step")
+    encoder_cache_size: int = Field(8192, ge=1, description="encoder embeddings held at most")
+    device: str = Field("auto", description="'auto' (cuda if present), 'cpu', 'cuda', 'cuda:N'")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="'auto': float32 on CPU, bfloat16 on GPU"
+    )
+    seed: int = Field(0, description="seed for weights-independent randomness")
+
+
+class RoleSpec(_Strict):
+    count: int = Field(0, ge=0, le=64, description="instances of this role")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per instance")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per instance")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources per instance, e.g. {'pdcluster_prefill': 1} to pin "
+        "the role to a KubeRay worker group that declares it",
+    )
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="overrides of the cluster's engine settings"
+    )
+
+
+class ConnectorSettings(_Strict):
+    kv_lease_s: float = Field(60.0, gt=0, description="P frees unacknowledged KV after this")
+    kv_load_timeout_s: float = Field(60.0, gt=0, description="D gives up a KV read after this")
+    ec_timeout_s: float = Field(30.0, gt=0, description="P encodes locally if E is this late")
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="after a failed KV read: prefill on D, or fail the request"
+    )
+
+
+class RouterSettings(_Strict):
+    prefix_aware: bool = Field(True, description="prefer the P that caches the prompt prefix")
+    prefix_slack_tokens: int = Field(2048, ge=0, description="queue slack for prefix affinity")
+    disagg_min_prompt_tokens: int = Field(
+        0, ge=0, description="prompts shorter than this are prefilled on D itself"
+    )
+    decode_prefix_fraction: float = Field(
+        0.8, gt=0, le=1, description="prefill on D when D caches this fraction of the prompt"
+    )
+
+
+class GatewaySettings(_Strict):
+    host: str = Field("127.0.0.1", description="listen address (loopback by default)")
+    port: int = Field(8000, ge=0, le=65535, description="listen port (0: any free port)")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="request body limit")
+    allowed_image_hosts: list[str] = Field(
+        default_factory=list, description="hosts that http(s) image URLs may name (none: refuse)"
+    )
+    served_model_name: str | None = Field(
+        None, description="model id in the API (default: folder name)"
+    )
+
+
+class RaySettings(_Strict):
+    address: str | None = Field(None, description="existing cluster (None: start a local one)")
+    namespace: str = Field("pdcluster", description="Ray namespace of the named actors")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of an embedded local Ray")
+    object_store_memory: int | None = Field(None, ge=75 * 1024 * 1024, description="bytes")
+
+
+class ClusterConfig(_Strict):
+    model: str | None = Field(
+        None, description="checkpoint folder, or 'preset:<name>' (default: preset:tiny-llava)"
+    )
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    encoder: RoleSpec = Field(default_factory=RoleSpec)
+    prefill: RoleSpec = Field(default_factory=RoleSpec)
+    decode: RoleSpec = Field(default_factory=RoleSpec)
+    mixed: RoleSpec = Field(default_factory=RoleSpec)
+    connector: ConnectorSettings = Field(default_factory=ConnectorSettings)
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    ray: RaySettings = Field(default_factory=RaySettings)
+
+    @model_validator(mode="after")
+    def _check_topology(self) -> ClusterConfig:
+        if self.prefill.count + self.decode.count + self.mixed.count == 0:
+            raise ValueError("a topology needs at least one prefill, decode or mixed instance")
+        for role in ROLES:
+            self.engine_settings(role)  # overrides must be valid engine settings
+        if self.prefill.count and self.decode.count:
+            p, d = self.engine_settings("prefill"), self.engine_settings("decode")
+            if p.block_size != d.block_size:
+                raise ValueError("prefill and decode must use the same block_size")
+            if p.max_model_len != d.max_model_len:
+                raise ValueError("prefill and decode must use the same max_model_len")
+        return self
+
+    def role(self, role: str) -> RoleSpec:
+        return getattr(self, role)
+
+    def engine_settings(self, role: str) -> EngineSettings:
+        overrides = self.role(role).engine
+        return EngineSettings(**{**self.engine.model_dump(), **overrides})
+
+    def engine_config(self, role: str, model_dir: str) -> EngineConfig:
+        """The frozen engine config of one instance of `role`."""
+        s = self.engine_settings(role)
+        return EngineConfig(
+            model=model_dir,
+            cache=CacheConfig(block_size=s.block_size, num_blocks=s.num_blocks),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=s.max_num_batched_tokens,
+                max_num_seqs=s.max_num_seqs,
+                max_model_len=s.max_model_len,
+                enable_prefix_caching=s.enable_prefix_caching,
+                encoder_compute_budget=s.encoder_compute_budget,
+                encoder_cache_size=s.encoder_cache_size,
+                kv_load_failure_policy=self.connector.kv_load_failure_policy,
+            ),
+            device=s.device,
+            dtype=s.dtype,
+            seed=s.seed,
+        )
+
+    def topology_name(self) -> str:
+        letters = {"encoder": "E", "prefill": "P", "decode": "D", "mixed": "mixed"}
+        return "".join(f"{self.role(r).count}{letters[r]}" for r in ROLES if self.role(r).count)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ClusterConfig:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a cluster config is a YAML mapping")
+        return cls.model_validate(data)

@@ -1,0 +1,563 @@
+"""KV connector over Ray's object store.
+
+Producer (prefill): when a `do_remote_decode` request finishes, its prompt blocks are published
+with ONE `ray.put` of NumPy views over runs of consecutive block ids of the pool (no gather
+copy; the put is the only copy on P). The blocks and the object reference stay held until
+the consumer acks, the lease expires, or the send is cancelled.
+
+Consumer (decode): the load is started without blocking (the fetch is kicked and a future
+awaits it); once the object is local, its zero-copy views are copied straight into the
+request's own blocks (the only copy on D), the producer is acked, and every reference to the
+object is dropped.
+
+Handle (`kv_transfer_params["handle"]`), a plain dict:
+    refs          [ObjectRef]   one ref, inside a list so Ray never resolves it when the params
+                                travel as an actor-call argument
+    run_lengths   [int]         blocks per array of the object, in source block order: source
+                                block i lives in the array whose runs cover i
+    block_shape   [int]         [num_layers, 2, block_size, num_kv_heads, head_dim]
+    dtype         str           the pool's torch dtype, e.g. "torch.float32"
+    nbytes        int           bytes of the object's arrays
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import RayError
+
+from connectors.base import KVConnectorBase, KVTransferParams
+from engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("producer", "consumer", "both")
+_SENDABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+_COUNTERS = (
+    "num_sends",
+    "num_loads",
+    "num_failed_loads",
+    "leases_expired",
+    "acks_received",
+    "acks_ignored",
+    "sends_cancelled",
+    "bytes_sent",
+    "bytes_received",
+)
+_RAW_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+AckSender = Callable[[str, str], None]
+
+
+# ---- handle --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RayKVHandle:
+    """What a consumer needs to read one published request (see the module docstring)."""
+
+    ref: Any  # ray.ObjectRef of a list of arrays [run_len, *block_shape]
+    run_lengths: tuple[int, ...]
+    block_shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "refs": [self.ref],
+            "run_lengths": list(self.run_lengths),
+            "block_shape": list(self.block_shape),
+            "dtype": self.dtype,
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_dict(cls, handle: Any) -> RayKVHandle:
+        """Raises ValueError on anything malformed."""
+        if not isinstance(handle, dict):
+            raise ValueError(f"handle must be a dict, got {type(handle).__name__}")
+        refs = handle.get("refs")
+        if not isinstance(refs, list) or len(refs) != 1 or not isinstance(refs[0], ray.ObjectRef):
+            raise ValueError("handle['refs'] must be a list of one ObjectRef")
+        run_lengths = _int_tuple(handle.get("run_lengths"), "run_lengths")
+        block_shape = _int_tuple(handle.get("block_shape"), "block_shape")
+        if not run_lengths or len(block_shape) != 5:
+            raise ValueError("handle needs run_lengths and a 5-dim block_shape")
+        if not isinstance(handle.get("dtype"), str) or not isinstance(handle.get("nbytes"), int):
+            raise ValueError("handle needs a dtype string and an integer nbytes")
+        return cls(refs[0], run_lengths, block_shape, handle["dtype"], handle["nbytes"])
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.run_lengths)
+
+
+def _int_tuple(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or not all(isinstance(v, int) and v > 0 for v in value):
+        raise ValueError(f"handle[{name!r}] must be a list of positive ints")
+    return tuple(value)
+
+
+# ---- messages between the scheduler side and the worker side -------------------------------
+@dataclass
+class RayKVLoad:
+    """One request's load: segments are (array_index, first_src_row, first_dst_block, count)."""
+
+    request_id: str
+    remote_engine_id: str
+    remote_request_id: str
+    ref: Any
+    segments: list[tuple[int, int, int, int]]
+    nbytes: int
+    started_s: float = 0.0
+    future: Any = None
+
+
+@dataclass
+class RayKVConnectorMetadata:
+    """Loads recorded by the scheduler side since the previous step."""
+
+    loads: list[RayKVLoad] = field(default_factory=list)
+
+
+@dataclass
+class _PendingSend:
+    ref: Any
+    deadline_s: float
+    nbytes: int
+
+
+@dataclass
+class _Remote:
+    """Validated remote-prefill parameters of one consumer request."""
+
+    params: KVTransferParams
+    handle: RayKVHandle
+
+
+class _ActorAckSender:
+    """Default ack path: the producer is a named actor called `remote_engine_id`."""
+
+    def __init__(self) -> None:
+        self._actors: dict[str, Any] = {}
+
+    def __call__(self, remote_engine_id: str, remote_request_id: str) -> None:
+        actor = self._actors.get(remote_engine_id)
+        if actor is None:
+            actor = ray.get_actor(remote_engine_id)
+            self._actors[remote_engine_id] = actor
+        actor.ack_kv.remote(remote_request_id)  # fire and forget
+
+
+class RayKVConnector(KVConnectorBase):
+    """P->D KV handoff through the Ray object store; one object serves one instance."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        role: str,
+        block_size: int,
+        lease_s: float = 60.0,
+        load_timeout_s: float = 60.0,
+        ack_sender: AckSender | None = None,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if block_size < 1 or lease_s <= 0 or load_timeout_s <= 0:
+            raise ValueError("block_size, lease_s and load_timeout_s must be positive")
+        self.engine_id = engine_id
+        self.role = role
+        self.block_size = block_size
+        self.lease_s = lease_s
+        self.load_timeout_s = load_timeout_s
+        self._ack_sender = ack_sender or _ActorAckSender()
+        self._pool: torch.Tensor | None = None  # numpy-compatible view of the KV pool
+        self._pool_np: np.ndarray | None = None  # its NumPy view (CPU pools only)
+        self._pool_dtype = ""
+        # Producer: blocks stay referenced until the consumer acks or the lease expires.
+        self._sends: dict[str, _PendingSend] = {}
+        self._events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # ack / cancel
+        # Consumer: a request id is claimed from allocation until it finishes here.
+        self._claimed: set[str] = set()
+        self._new_loads: list[RayKVLoad] = []
+        self._inflight: dict[str, RayKVLoad] = {}
+        self._failed: set[str] = set()
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._publish_ms = _Latency()
+        self._load_ms = _Latency()  # start_load_kv -> copied into our blocks
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("producer", "both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("consumer", "both")
+
+    # ---- worker side: pool ---------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
+        if kv_caches.dim() != 6 or kv_caches.shape[3] != self.block_size:
+            raise ValueError(
+                f"KV pool must be [num_blocks, num_layers, 2, {self.block_size}, kv_heads, "
+                f"head_dim], got {list(kv_caches.shape)}"
+            )
+        if not kv_caches.is_contiguous():
+            raise ValueError("KV pool must be contiguous")
+        self._pool_dtype = str(kv_caches.dtype)
+        self._pool = _numpy_compatible(kv_caches)
+        self._pool_np = self._pool.numpy() if self._pool.device.type == "cpu" else None
+
+    def _block_shape(self) -> tuple[int, ...]:
+        if self._pool is None:
+            raise RuntimeError("register_kv_caches() must be called before moving KV")
+        return tuple(self._pool.shape[1:])
+
+    # ---- producer --------------------------------------------------------------------------
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._claimed.discard(request.request_id)
+        if not self.is_producer or request.status not in _SENDABLE:
+            return False, None
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or not params.get("do_remote_decode"):
+            return False, None
+        num_tokens = request.num_computed_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        if num_tokens <= 0 or len(block_ids) < num_blocks:
+            logger.warning(
+                "request %r: %d blocks cannot hold %d computed tokens; KV not published",
+                request.request_id,
+                len(block_ids),
+                num_tokens,
+            )
+            return False, None
+        handle = self._publish(request.request_id, list(block_ids[:num_blocks]))
+        out = KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=self.engine_id,
+            remote_request_id=request.request_id,
+            num_tokens=num_tokens,
+        ).to_dict()
+        out["handle"] = handle.to_dict()  # not through asdict: it would deep-copy the ref
+        return True, out
+
+    def _publish(self, request_id: str, block_ids: list[int]) -> RayKVHandle:
+        """One ray.put of the blocks' runs; the ref is held until ack, lease or cancel."""
+        block_shape = self._block_shape()
+        start_s = time.perf_counter()
+        runs = _consecutive_runs(block_ids)
+        if self._pool_np is not None:
+            arrays = [self._pool_np[s : s + n] for s, n in runs]  # views: no gather copy
+        else:  # device pool: stage each run through host memory
+            arrays = [self._pool[s : s + n].cpu().numpy() for s, n in runs]
+        ref = ray.put(arrays)
+        nbytes = sum(a.nbytes for a in arrays)
+        self._publish_ms.add((time.perf_counter() - start_s) * 1e3)
+        if request_id in self._sends:
+            logger.warning("request %r published twice; the first copy is dropped", request_id)
+        self._sends[request_id] = _PendingSend(ref, time.monotonic() + self.lease_s, nbytes)
+        self._counters["num_sends"] += 1
+        self._counters["bytes_sent"] += nbytes
+        run_lengths = tuple(n for _, n in runs)
+        return RayKVHandle(ref, run_lengths, block_shape, self._pool_dtype, nbytes)
+
+    def ack(self, request_id: str) -> None:
+        """The consumer has read `request_id`. Thread-safe: called from an RPC thread."""
+        self._events.put(("ack", request_id))
+
+    def cancel_sends(self, request_ids: set[str] | list[str]) -> None:
+        """Aborted on P before the consumer read: reported at the next get_finished.
+        Thread-safe."""
+        for request_id in request_ids:
+            self._events.put(("cancel", request_id))
+
+    def _collect_finished_sends(self) -> set[str]:
+        done: set[str] = set()
+        while True:
+            try:
+                kind, request_id = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "ack":
+                self._counters["acks_received"] += 1
+            if self._sends.pop(request_id, None) is not None:
+                done.add(request_id)
+                self._counters["sends_cancelled"] += kind == "cancel"
+            elif kind == "ack":  # late (after the lease), duplicate, or unknown
+                self._counters["acks_ignored"] += 1
+        now = time.monotonic()
+        expired = [rid for rid, send in self._sends.items() if send.deadline_s <= now]
+        for request_id in expired:
+            del self._sends[request_id]  # drops the ref: the store may free the object
+            logger.warning("request %r: KV lease expired before the consumer acked", request_id)
+        self._counters["leases_expired"] += len(expired)
+        return done.union(expired)
+
+    # ---- consumer: scheduler side ----------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self.is_consumer or request.request_id in self._claimed:
+            return 0, False
+        remote = self._parse_remote(request)
+        if remote is None:
+            return 0, False
+        if isinstance(remote, str):  # malformed: allocate a token so the failure is reported
+            return max(1, request.num_tokens - 1 - num_computed_tokens), True
+        num_new = remote.params.num_tokens - num_computed_tokens
+        return (num_new, True) if num_new > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        if num_external_tokens <= 0 or not self.is_consumer or rid in self._claimed:
+            return
+        remote = self._parse_remote(request)
+        if remote is None:
+            return
+        self._claimed.add(rid)
+        load = (
+            remote
+            if isinstance(remote, str)
+            else self._plan_load(rid, remote, block_ids, num_external_tokens)
+        )
+        if isinstance(load, str):
+            logger.warning("request %r: remote KV load failed: %s", rid, load)
+            self._failed.add(rid)
+            self._counters["num_failed_loads"] += 1
+        else:
+            self._new_loads.append(load)
+        # The load now holds the only reference on this side; the request keeps its params.
+        request.kv_transfer_params = _without_refs(request.kv_transfer_params)
+
+    def _parse_remote(self, request: Request) -> _Remote | str | None:
+        """None: not a remote-prefill request for this connector; str: why it is malformed."""
+        raw = request.kv_transfer_params
+        if not isinstance(raw, dict) or not raw.get("do_remote_prefill"):
+            return None
+        if raw.get("handle") is None:
+            logger.warning("request %r: do_remote_prefill without a handle", request.request_id)
+            return None
+        try:
+            params = KVTransferParams.from_dict(raw)
+            handle = RayKVHandle.from_dict(params.handle)
+        except (TypeError, ValueError) as e:
+            return f"malformed kv_transfer_params: {e}"
+        return _check_remote(params, handle, request, self.block_size, self._expected_layout())
+
+    def _expected_layout(self) -> tuple[tuple[int, ...], str] | None:
+        return None if self._pool is None else (self._block_shape(), self._pool_dtype)
+
+    def _plan_load(
+        self, rid: str, remote: _Remote, block_ids: list[int], num_external: int
+    ) -> RayKVLoad | str:
+        """Map the source blocks of tokens [start, num_tokens) onto this request's blocks."""
+        num_tokens = remote.params.num_tokens
+        start = num_tokens - num_external  # tokens already computed here (whole blocks)
+        if start < 0 or start % self.block_size:
+            return f"remote load starts at token {start}, not at a block boundary"
+        first, end = start // self.block_size, -(-num_tokens // self.block_size)
+        if len(block_ids) < end:
+            return f"{len(block_ids)} blocks allocated, {end} needed"
+        segments = _segments(remote.handle.run_lengths, first, list(block_ids[first:end]))
+        nbytes = remote.handle.nbytes * (end - first) // remote.handle.num_blocks
+        params = remote.params
+        return RayKVLoad(
+            rid,
+            params.remote_engine_id,
+            params.remote_request_id,
+            remote.handle.ref,
+            segments,
+            nbytes,
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> RayKVConnectorMetadata:
+        meta = RayKVConnectorMetadata(self._new_loads)
+        self._new_loads = []
+        return meta
+
+    # ---- consumer: worker side -------------------------------------------------------------
+    def start_load_kv(self, metadata: Any) -> None:
+        """Kick the fetch of every new load; never blocks."""
+        if not isinstance(metadata, RayKVConnectorMetadata) or not metadata.loads:
+            return
+        refs = list(dict.fromkeys(load.ref for load in metadata.loads))
+        ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)  # starts the pulls
+        now = time.perf_counter()
+        for load in metadata.loads:
+            load.started_s = now
+            load.future = load.ref.future()  # resolves to the views, or to the fetch's error
+            self._inflight[load.request_id] = load
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        finished_sending = self._collect_finished_sends() if self.is_producer else set()
+        finished_recving: set[str] = set()
+        now = time.perf_counter()
+        for rid, load in list(self._inflight.items()):
+            if load.future.done():
+                del self._inflight[rid]
+                if self._land(load):
+                    finished_recving.add(rid)
+            elif now - load.started_s > self.load_timeout_s:
+                del self._inflight[rid]
+                self._fail(load, f"no result within {self.load_timeout_s} s")
+        return finished_sending, finished_recving
+
+    def _land(self, load: RayKVLoad) -> bool:
+        """Copy a fetched object into the request's blocks and ack; False when it failed."""
+        try:
+            arrays = load.future.result()
+            self._copy_in(arrays, load.segments)
+        except (RayError, ValueError, TypeError, IndexError, RuntimeError) as e:
+            self._fail(load, f"{type(e).__name__}: {e}")
+            return False
+        finally:
+            load.future = load.ref = arrays = None  # drop every reference to the object
+        self._load_ms.add((time.perf_counter() - load.started_s) * 1e3)
+        self._counters["num_loads"] += 1
+        self._counters["bytes_received"] += load.nbytes
+        try:
+            self._ack_sender(load.remote_engine_id, load.remote_request_id)
+        except Exception as e:  # the producer's lease frees its blocks without the ack
+            logger.warning(
+                "request %r: ack to %r failed: %s", load.request_id, load.remote_engine_id, e
+            )
+        return True
+
+    def _copy_in(self, arrays: list[np.ndarray], segments: list[tuple[int, int, int, int]]) -> None:
+        block_shape = self._block_shape()
+        for array_idx, src, dst, count in segments:
+            source = arrays[array_idx][src : src + count]  # [count, *block_shape]
+            if source.shape != (count, *block_shape):
+                raise ValueError(f"source run has shape {source.shape}, expected {block_shape}")
+            if self._pool_np is not None:
+                np.copyto(self._pool_np[dst : dst + count], source)
+            else:
+                with warnings.catch_warnings():  # read-only store memory, only read from
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._pool[dst : dst + count].copy_(torch.from_numpy(source))
+
+    def _fail(self, load: RayKVLoad, reason: str) -> None:
+        logger.warning("request %r: remote KV load failed: %s", load.request_id, reason)
+        load.future = load.ref = None
+        self._failed.add(load.request_id)
+        self._counters["num_failed_loads"] += 1
+
+    def get_failed_loads(self) -> set[str]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Drop every reference this connector holds; nothing is reported afterwards."""
+        self._sends.clear()
+        self._new_loads.clear()
+        self._inflight.clear()
+        self._failed.clear()
+        self._claimed.clear()
+        self._events = queue.SimpleQueue()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self._counters,
+            "num_pending_sends": len(self._sends),
+            "num_pending_recvs": len(self._inflight) + len(self._new_loads),
+            "last_transfer_ms": self._load_ms.last,
+            "mean_transfer_ms": self._load_ms.mean,
+            "last_publish_ms": self._publish_ms.last,
+            "mean_publish_ms": self._publish_ms.mean,
+        }
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def _check_remote(
+    params: KVTransferParams,
+    handle: RayKVHandle,
+    request: Request,
+    block_size: int,
+    layout: tuple[tuple[int, ...], str] | None,
+) -> _Remote | str:
+    """Cross-field checks of validated params against this request and pool."""
+    if not isinstance(params.remote_engine_id, str) or not params.remote_engine_id:
+        return "remote_engine_id must be a non-empty string"
+    if not isinstance(params.remote_request_id, str) or not params.remote_request_id:
+        return "remote_request_id must be a non-empty string"
+    num_tokens = params.num_tokens
+    if not isinstance(num_tokens, int) or not 0 < num_tokens <= request.num_tokens:
+        return f"num_tokens {num_tokens!r} not in [1, {request.num_tokens}]"
+    if handle.block_shape[2] != block_size:
+        return f"producer block size {handle.block_shape[2]} != consumer block size {block_size}"
+    if handle.num_blocks != -(-num_tokens // block_size):
+        return f"{handle.num_blocks} published blocks do not hold {num_tokens} tokens"
+    if layout is not None and (handle.block_shape, handle.dtype) != layout:
+        return f"producer block layout {handle.block_shape} {handle.dtype} != ours {layout}"
+    return _Remote(params, handle)
+
+
+def _numpy_compatible(pool: torch.Tensor) -> torch.Tensor:
+    """The pool itself, or a same-size integer view when NumPy lacks its dtype (bf16)."""
+    try:
+        torch.empty(0, dtype=pool.dtype).numpy()
+        return pool
+    except TypeError:
+        return pool.view(_RAW_INT[pool.element_size()])
+
+
+def _consecutive_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """[(first_block_id, length)] of maximal runs of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block_id, 1))
+    return runs
+
+
+def _segments(
+    run_lengths: tuple[int, ...], first_src_block: int, dst_block_ids: list[int]
+) -> list[tuple[int, int, int, int]]:
+    """Copies (array_index, src_row, dst_block, count) moving source blocks first_src_block...
+    onto dst_block_ids, merged where both sides are consecutive."""
+    locations = [(a, row) for a, n in enumerate(run_lengths) for row in range(n)]
+    segments: list[tuple[int, int, int, int]] = []
+    for i, dst in enumerate(dst_block_ids):
+        array_idx, row = locations[first_src_block + i]
+        if segments:
+            a, r, d, n = segments[-1]
+            if a == array_idx and r + n == row and d + n == dst:
+                segments[-1] = (a, r, d, n + 1)
+                continue
+        segments.append((array_idx, row, dst, 1))
+    return segments
+
+
+def _without_refs(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A copy of the params whose handle no longer references the object."""
+    if not isinstance(params, dict) or not isinstance(params.get("handle"), dict):
+        return params
+    return {**params, "handle": {**params["handle"], "refs": []}}
+
+
+class _Latency:
+    """Last and mean of a stream of durations, in constant space."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self._total, self._count = 0.0, 0
+
+    def add(self, ms: float) -> None:
+        self.last, self._total, self._count = ms, self._total + ms, self._count + 1
+
+    @property
+    def mean(self) -> float | None:
+        return self._total / self._count if self._count else None

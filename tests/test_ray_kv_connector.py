@@ -1,0 +1,335 @@
+"""RayKVConnector against a real local Ray: publish, load, ack, lease, cancel, failures."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+
+from connectors.ray_kv import RayKVConnector, _consecutive_runs, _segments
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 8
+_OBJECT_ID = re.compile(r"\b[0-9a-f]{56}\b")
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def our_objects_in_store(object_ids: Iterable[str] | None = None) -> set[str]:
+    """Hex ids of objects that some worker of the cluster still references (the store frees an
+    object once none does), restricted to `object_ids` when given."""
+    import ray
+    from ray._private.internal_api import memory_summary
+
+    address = ray.get_runtime_context().gcs_address
+    live = set(_OBJECT_ID.findall(memory_summary(address, line_wrap=False)))
+    return live if object_ids is None else live & set(object_ids)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def make_pool(num_blocks: int, seed: int | None = None, dtype=torch.float32) -> torch.Tensor:
+    shape = (num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    if seed is None:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def make_request(rid: str, num_tokens: int, params: dict | None = None) -> Request:
+    return Request(rid, list(range(num_tokens)), SamplingParams(max_tokens=1), None, None, params)
+
+
+def finished_prefill(rid: str, num_tokens: int, status=RequestStatus.FINISHED_LENGTH_CAPPED):
+    request = make_request(rid, num_tokens, {"do_remote_decode": True})
+    request.num_computed_tokens = num_tokens
+    request.append_output_token(7)
+    request.status = status
+    return request
+
+
+class AckLog:
+    """ack_sender for tests: records acks and forwards them to known producers."""
+
+    def __init__(self, producers: dict[str, RayKVConnector] | None = None) -> None:
+        self.acks: list[tuple[str, str]] = []
+        self.producers = producers or {}
+
+    def __call__(self, remote_engine_id: str, remote_request_id: str) -> None:
+        self.acks.append((remote_engine_id, remote_request_id))
+        if remote_engine_id in self.producers:
+            self.producers[remote_engine_id].ack(remote_request_id)
+
+
+def make_producer(num_blocks: int = 16, seed: int = 0, **kwargs) -> RayKVConnector:
+    producer = RayKVConnector("prefill-0", "producer", BLOCK_SIZE, **kwargs)
+    producer.register_kv_caches(make_pool(num_blocks, seed))
+    return producer
+
+
+def make_consumer(ack_log: AckLog, num_blocks: int = 12, **kwargs) -> RayKVConnector:
+    consumer = RayKVConnector("decode-0", "consumer", BLOCK_SIZE, ack_sender=ack_log, **kwargs)
+    consumer.register_kv_caches(make_pool(num_blocks))
+    return consumer
+
+
+def load(
+    consumer: RayKVConnector, request: Request, block_ids: list[int], num_computed: int = 0
+) -> tuple[str, set[str], set[str]]:
+    """Drive the consumer as the scheduler and engine core do until the load resolves.
+    Returns ("landed" | "failed", every finished_recving, every failed load)."""
+    num_external, load_async = consumer.get_num_new_matched_tokens(request, num_computed)
+    assert load_async and num_external > 0
+    consumer.update_state_after_alloc(request, block_ids, num_external)
+    consumer.start_load_kv(consumer.build_connector_meta(None))
+    recving, failed = set(), set()
+    deadline = time.monotonic() + 20
+    while request.request_id not in recving | failed and time.monotonic() < deadline:
+        recving |= consumer.get_finished(set())[1]
+        failed |= consumer.get_failed_loads()
+        time.sleep(0.005)
+    outcome = "landed" if request.request_id in recving else "failed"
+    return outcome, recving, failed
+
+
+def drain_sends(producer: RayKVConnector, rounds: int = 3) -> list[str]:
+    """Every finished_sending report over a few get_finished calls, duplicates kept."""
+    reported: list[str] = []
+    for _ in range(rounds):
+        reported.extend(producer.get_finished(set())[0])
+    return reported
+
+
+@pytest.fixture
+def ray(ray_session):
+    return ray_session
+
+
+# ---- round trip ------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_computed", [0, 2 * BLOCK_SIZE])
+def test_round_trip_copies_exact_bytes_into_scattered_blocks(ray, num_computed):
+    producer = make_producer()
+    ack_log = AckLog({"prefill-0": producer})
+    consumer = make_consumer(ack_log)
+    num_prompt = 4 * BLOCK_SIZE - 2  # partial last block
+    src_blocks = [7, 8, 2, 3]  # two runs on P
+    delay_free, params = producer.request_finished(finished_prefill("p1", num_prompt), src_blocks)
+    assert delay_free and params["do_remote_prefill"] and params["num_tokens"] == num_prompt
+    assert params["remote_engine_id"] == "prefill-0" and params["remote_request_id"] == "p1"
+    assert params["handle"]["run_lengths"] == [2, 2]
+    object_id = params["handle"]["refs"][0].hex()
+
+    dst_blocks = [5, 1, 2, 9, 0]  # non-contiguous; one spare block for the decode
+    request = make_request("d1", num_prompt + 1, params)
+    assert consumer.get_num_new_matched_tokens(request, num_computed) == (
+        num_prompt - num_computed,
+        True,
+    )
+    outcome, recving, failed = load(consumer, request, dst_blocks, num_computed)
+    assert outcome == "landed" and recving == {"d1"} and not failed
+
+    src_pool, dst_pool = producer._pool, consumer._pool
+    first = num_computed // BLOCK_SIZE
+    for src, dst in zip(src_blocks[first:], dst_blocks[first:4], strict=True):
+        assert torch.equal(dst_pool[dst], src_pool[src])
+    untouched = set(range(dst_pool.shape[0])) - set(dst_blocks[first:4])
+    assert all(not dst_pool[b].any() for b in untouched)
+    assert ack_log.acks == [("prefill-0", "p1")]
+    assert request.kv_transfer_params["handle"]["refs"] == []  # the load held the only ref
+
+    assert drain_sends(producer) == ["p1"]
+    stats = producer.stats()
+    assert stats["num_pending_sends"] == 0 and stats["acks_ignored"] == 0
+    assert consumer.stats()["num_pending_recvs"] == 0
+    assert consumer.stats()["bytes_received"] > 0
+    del params
+    assert wait_until(lambda: not our_objects_in_store([object_id]))
+
+
+def test_bf16_pool_round_trip(ray):
+    producer = RayKVConnector("prefill-bf16", "producer", BLOCK_SIZE)
+    producer.register_kv_caches(make_pool(6, seed=3, dtype=torch.bfloat16))
+    consumer = RayKVConnector("decode-bf16", "consumer", BLOCK_SIZE, ack_sender=AckLog())
+    consumer.register_kv_caches(make_pool(6, dtype=torch.bfloat16))
+    _, params = producer.request_finished(finished_prefill("b1", 2 * BLOCK_SIZE), [4, 1])
+    outcome, _, _ = load(consumer, make_request("b1", 2 * BLOCK_SIZE + 1, params), [0, 5, 2])
+    assert outcome == "landed"
+    assert torch.equal(consumer._pool[0], producer._pool[4])
+    assert torch.equal(consumer._pool[5], producer._pool[1])
+
+
+# ---- acks, leases, cancels -------------------------------------------------------------------
+def test_duplicate_and_unknown_acks_are_ignored(ray):
+    producer = make_producer()
+    _, params = producer.request_finished(finished_prefill("p1", 5), [0, 1])
+    object_id = params["handle"]["refs"][0].hex()
+    del params
+    producer.ack("p1")
+    producer.ack("p1")
+    producer.ack("never-sent")
+    assert drain_sends(producer) == ["p1"]
+    producer.ack("p1")
+    assert drain_sends(producer) == []
+    stats = producer.stats()
+    assert stats["acks_ignored"] == 3 and stats["acks_received"] == 4
+    assert wait_until(lambda: not our_objects_in_store([object_id]))
+
+
+def test_lease_expiry_without_ack_then_late_ack_ignored(ray):
+    producer = make_producer(lease_s=0.05)
+    _, params = producer.request_finished(finished_prefill("p1", 5), [3, 4])
+    object_id = params["handle"]["refs"][0].hex()
+    del params
+    assert producer.get_finished(set()) == (set(), set())  # lease still running
+    time.sleep(0.1)
+    assert drain_sends(producer) == ["p1"]
+    assert producer.stats()["leases_expired"] == 1
+    producer.ack("p1")  # the consumer read it after all
+    assert drain_sends(producer) == []
+    assert producer.stats()["acks_ignored"] == 1
+    assert wait_until(lambda: not our_objects_in_store([object_id]))
+
+
+def test_cancel_sends_reports_once_and_frees(ray):
+    producer = make_producer()
+    _, params_a = producer.request_finished(finished_prefill("a", 5), [0, 1])
+    _, params_b = producer.request_finished(finished_prefill("b", 5), [2, 3])
+    object_id = params_a["handle"]["refs"][0].hex()
+    del params_a
+    producer.cancel_sends(["a", "unknown"])
+    assert drain_sends(producer) == ["a"]
+    assert producer.stats()["num_pending_sends"] == 1  # "b" still awaits its ack
+    producer.ack("a")  # a consumer that read before the cancel: ignored
+    assert drain_sends(producer) == []
+    assert wait_until(lambda: not our_objects_in_store([object_id]))
+    assert params_b["handle"]["refs"][0].hex() in our_objects_in_store()
+
+
+# ---- load failures ---------------------------------------------------------------------------
+def test_load_whose_owner_died_fails_without_ack(ray, caplog):
+    import numpy as np
+
+    @ray.remote(num_cpus=0)
+    class Publisher:
+        def publish(self, shape):
+            self.ref = ray.put([np.ones(shape, np.float32)])
+            return [self.ref]
+
+    producer = make_producer()
+    _, params = producer.request_finished(finished_prefill("p1", 6), [0, 1])
+    block_shape = (2, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    publisher = Publisher.remote()
+    params["handle"]["refs"] = ray.get(publisher.publish.remote(block_shape))
+    ray.kill(publisher)
+    ref = params["handle"]["refs"][0]
+    # The owner's death has been processed once its object is gone from the local store.
+    assert wait_until(lambda: not ray.wait([ref], timeout=0, fetch_local=True)[0])
+
+    ack_log = AckLog()
+    consumer = make_consumer(ack_log)
+    with caplog.at_level(logging.WARNING, logger="connectors.ray_kv"):
+        outcome, recving, failed = load(consumer, make_request("d1", 7, params), [3, 4])
+    assert outcome == "failed" and failed == {"d1"} and not recving
+    assert "OwnerDiedError" in caplog.text
+    assert ack_log.acks == []
+    assert consumer.get_failed_loads() == set()  # reported once
+    assert consumer.get_num_new_matched_tokens(make_request("d1", 7, params), 0) == (0, False)
+    assert consumer.stats()["num_failed_loads"] == 1
+
+
+def test_load_timeout_fails(ray):
+    @ray.remote(num_cpus=0)
+    class Slow:
+        def never_soon(self):
+            time.sleep(30)
+
+    slow = Slow.remote()
+    producer = make_producer()
+    _, params = producer.request_finished(finished_prefill("p1", 6), [0, 1])
+    params["handle"]["refs"] = [slow.never_soon.remote()]
+    ack_log = AckLog()
+    consumer = make_consumer(ack_log, load_timeout_s=0.2)
+    outcome, recving, failed = load(consumer, make_request("d1", 7, params), [3, 4])
+    assert outcome == "failed" and not recving and ack_log.acks == []
+    ray.kill(slow)
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda p: p["handle"].update(refs="not-a-list"),
+        lambda p: p["handle"].update(run_lengths=[1]),  # 1 block cannot hold 6 tokens
+        lambda p: p["handle"].update(block_shape=[2, 2, 8, 2, 8]),  # other block size
+        lambda p: p.update(num_tokens="six"),
+        lambda p: p.update(unexpected_key=1),
+    ],
+)
+def test_malformed_params_fail_the_load_without_crashing(ray, corrupt):
+    producer = make_producer()
+    _, params = producer.request_finished(finished_prefill("p1", 6), [0, 1])
+    corrupt(params)
+    ack_log = AckLog()
+    consumer = make_consumer(ack_log)
+    request = make_request("d1", 7, params)
+    num_external, load_async = consumer.get_num_new_matched_tokens(request, 0)
+    assert load_async and num_external > 0
+    consumer.update_state_after_alloc(request, [3, 4], num_external)
+    consumer.start_load_kv(consumer.build_connector_meta(None))
+    assert consumer.get_finished(set()) == (set(), set())
+    assert consumer.get_failed_loads() == {"d1"}
+    assert consumer.get_failed_loads() == set() and ack_log.acks == []
+
+
+# ---- requests that are not remote ------------------------------------------------------------
+def test_non_remote_requests_are_left_alone(ray):
+    producer = make_producer()
+    consumer = make_consumer(AckLog())
+    plain = make_request("x", 6)
+    plain.num_computed_tokens = 6
+    plain.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert producer.request_finished(plain, [0, 1]) == (False, None)
+    aborted = finished_prefill("y", 6, status=RequestStatus.FINISHED_ABORTED)
+    assert producer.request_finished(aborted, [0, 1]) == (False, None)
+    errored = finished_prefill("z", 6, status=RequestStatus.FINISHED_ERROR)
+    assert producer.request_finished(errored, [0, 1]) == (False, None)
+    assert consumer.request_finished(finished_prefill("w", 6), [0, 1]) == (False, None)
+    assert producer.stats()["num_sends"] == 0
+
+    assert consumer.get_num_new_matched_tokens(make_request("x", 6), 0) == (0, False)
+    remote_params = {"do_remote_prefill": True, "handle": None}
+    assert consumer.get_num_new_matched_tokens(make_request("x", 6, remote_params), 0) == (0, False)
+    consumer.update_state_after_alloc(make_request("x", 6), [0, 1], 0)
+    assert consumer.build_connector_meta(None).loads == []
+    _, params = producer.request_finished(finished_prefill("p1", 6), [0, 1])
+    assert producer.get_num_new_matched_tokens(make_request("d1", 7, params), 0) == (0, False)
+    assert consumer.get_num_new_matched_tokens(make_request("d1", 7, params), 8) == (0, False)
+
+
+def test_shutdown_drops_everything(ray):
+    producer = make_producer()
+    _, params = producer.request_finished(finished_prefill("p1", 6), [0, 1])
+    object_id = params["handle"]["refs"][0].hex()
+    del params
+    producer.shutdown()
+    assert producer.stats()["num_pending_sends"] == 0
+    assert producer.get_finished(set()) == (set(), set())
+    assert wait_until(lambda: not our_objects_in_store([object_id]))
+
+
+# ---- layout helpers (no Ray) -----------------------------------------------------------------
+def test_consecutive_runs_and_segments():
+    assert _consecutive_runs([7, 8, 2, 3, 4, 0]) == [(7, 2), (2, 3), (0, 1)]
+    assert _consecutive_runs([]) == []
+    # Source blocks 1..4 of runs [2, 3] onto destination blocks 10, 11, 12, 5.
+    assert _segments((2, 3), 1, [10, 11, 12, 5]) == [(0, 1, 10, 1), (1, 0, 11, 2), (1, 2, 5, 1)]
