@@ -88,6 +88,8 @@ class InstanceActor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats: dict[str, Any] = {}
         self._stopping = False
+        self._draining = False
+        self._paused = threading.Event()
         self._num_steps = 0
         self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self._thread.start()
@@ -141,6 +143,23 @@ class InstanceActor:
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    async def pause(self) -> None:
+        """Stop stepping (commands are still taken in): for maintenance, and for tests that
+        hold an instance still at a chosen stage of a request."""
+        self._paused.set()
+
+    async def resume(self) -> None:
+        self._paused.clear()
+        self._inbox.put(("wake", None))
+
+    async def drain(self, timeout_s: float = 60.0) -> bool:
+        """Refuse new requests and wait until nothing is held; True when drained."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._stats.get("num_active", 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return not self._stats.get("num_active", 0)
+
     async def shutdown(self) -> None:
         self._stopping = True
         self._inbox.put(("wake", None))
@@ -160,8 +179,8 @@ class InstanceActor:
     def _run(self) -> None:
         self._publish_stats()
         while not self._stopping:
-            self._drain_inbox(block=not self.core.has_work())
-            if not self.core.has_work():
+            self._drain_inbox(block=self._paused.is_set() or not self.core.has_work())
+            if self._paused.is_set() or not self.core.has_work():
                 continue
             try:
                 outputs, model_executed = self.core.step()
@@ -198,6 +217,8 @@ class InstanceActor:
         if command == "add":
             request, ec_handle = arg
             try:
+                if self._draining:
+                    raise ValueError(f"instance {self.spec.instance_id} is draining")
                 self.core.add_request(request)
             except ValueError as exc:
                 self._deliver(
@@ -231,7 +252,9 @@ class InstanceActor:
         """A snapshot read by `stats()`: the step thread alone touches the engine."""
         stats: dict[str, Any] = {"id": self.spec.instance_id, "role": self.spec.role}
         stats.update(self.core.stats())
+        stats["num_active"] = len(self.core.request_ids())
         stats["num_steps"] = self._num_steps
+        stats["paused"] = self._paused.is_set()
         self._stats = stats
 
 

@@ -1,0 +1,78 @@
+"""Helpers for tests that run real clusters on the session's local Ray."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from cluster.config import ClusterConfig
+from cluster.launch import Cluster, launch
+from engine import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+SMALL_ENGINE = {
+    "block_size": 4,
+    "num_blocks": 256,
+    "max_num_batched_tokens": 256,
+    "max_num_seqs": 32,
+    "max_model_len": 512,
+}
+
+
+def cluster_config(model_dir: str, **roles: Any) -> ClusterConfig:
+    """A config for `model_dir`; `roles` maps role -> count or dict (e.g. prefill=1,
+    connector={...}). Each instance reserves 1 CPU of the session's logical CPUs."""
+    data: dict[str, Any] = {"model": model_dir, "engine": dict(SMALL_ENGINE)}
+    for key, value in roles.items():
+        data[key] = {"count": value, "num_cpus": 1} if isinstance(value, int) else value
+    return ClusterConfig.model_validate(data)
+
+
+def start(model_dir: str, **roles: Any) -> Cluster:
+    return launch(cluster_config(model_dir, **roles))
+
+
+def random_image(seed: int, size: tuple[int, int] = (40, 40)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8))
+
+
+def mixed_prompts(with_images: bool) -> list:
+    prompts: list = [
+        "Hello there, how are you today?",
+        "The quick brown fox jumps over the lazy dog. " * 6,
+        [5, 9, 300, 41, 7],
+        "A",
+    ]
+    if with_images:
+        prompts += [
+            {"prompt": "Describe <image> please.", "multi_modal_data": {"image": random_image(1)}},
+            {
+                "prompt": "<image> versus <image>?",
+                "multi_modal_data": {"image": [random_image(2), random_image(3, (64, 30))]},
+            },
+        ]
+    return prompts
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def instance_stats(cluster: Cluster, role: str) -> dict[str, Any]:
+    """Stats of the first instance of `role`."""
+    return next(s for s in cluster.stats() if s["role"] == role)
+
+
+def handle(cluster: Cluster, role: str, index: int = 0):
+    return [h for r, h in cluster.instances.values() if r == role][index]
