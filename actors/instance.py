@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -136,6 +137,7 @@ class InstanceActor:
         kv = getattr(self.core, "kv_connector", None)
         if kv is not None:
             kv.ack(request_id)
+            self._inbox.put(("wake", None))  # an idle loop steps to free the blocks
 
     async def stats(self) -> dict[str, Any]:
         return dict(self._stats)
@@ -180,23 +182,26 @@ class InstanceActor:
         self._publish_stats()
         while not self._stopping:
             self._drain_inbox(block=self._paused.is_set() or not self.core.has_work())
-            if self._paused.is_set() or not self.core.has_work():
-                continue
-            try:
-                outputs, model_executed = self.core.step()
-            except Exception as exc:  # noqa: BLE001 - a step failure must not kill the actor
-                logger.exception("step failed on %s", self.spec.instance_id)
-                self._fail_all(f"internal error on {self.spec.instance_id}: {exc}")
-                continue
-            self._num_steps += 1
-            for out in outputs:
-                self._deliver(out)
-            if isinstance(self.core, EncoderCore):
-                self.core.ec_connector.clear_outbox()
-            self._publish_stats()
-            if not model_executed:
+            if not self._paused.is_set() and self.core.has_work() and not self._step_once():
                 time.sleep(IDLE_YIELD_S)
         self._fail_all("instance is shutting down")
+
+    def _step_once(self) -> bool:
+        """One engine step and the delivery of its outputs; True when a model ran. (A method
+        of its own so that no output, and no KV handle in one, outlives the step.)"""
+        try:
+            outputs, model_executed = self.core.step()
+        except Exception as exc:  # noqa: BLE001 - a step failure must not kill the actor
+            logger.exception("step failed on %s", self.spec.instance_id)
+            self._fail_all(f"internal error on {self.spec.instance_id}: {exc}")
+            return False
+        self._num_steps += 1
+        for out in outputs:
+            self._deliver(out)
+        if isinstance(self.core, EncoderCore):
+            self.core.ec_connector.clear_outbox()
+        self._publish_stats()
+        return model_executed
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -250,7 +255,11 @@ class InstanceActor:
 
     def _publish_stats(self) -> None:
         """A snapshot read by `stats()`: the step thread alone touches the engine."""
-        stats: dict[str, Any] = {"id": self.spec.instance_id, "role": self.spec.role}
+        stats: dict[str, Any] = {
+            "id": self.spec.instance_id,
+            "role": self.spec.role,
+            "pid": os.getpid(),
+        }
         stats.update(self.core.stats())
         stats["num_active"] = len(self.core.request_ids())
         stats["num_steps"] = self._num_steps

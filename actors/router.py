@@ -16,6 +16,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
+from actors.streams import abandon
 from cluster.router import Plan, RouterConfig, RouterPolicy
 from engine.outputs import EngineCoreOutput
 from engine.request import Request
@@ -48,7 +49,7 @@ class RouterActor:
         self._holders[rid] = set()
         finished = False
         try:
-            plan = self.policy.plan(request.prompt_token_ids, bool(request.mm_features))
+            plan = self.policy.plan(request.prompt_token_ids, _images(request))
             flow = self._disaggregated if plan.disaggregated else self._colocated
             async for batch in flow(plan, request):
                 finished = batch[-1].finished
@@ -91,7 +92,9 @@ class RouterActor:
     ) -> AsyncIterator[list[EngineCoreOutput]]:
         ec_handle = self._start_encode(plan, request)
         max_tokens = _max_tokens(request, self.config)
-        self.policy.on_decode_start(plan.decode_id, request.prompt_token_ids, max_tokens)
+        self.policy.on_decode_start(
+            plan.decode_id, request.prompt_token_ids, max_tokens, _images(request)
+        )
         try:
             async for batch in self._stream(plan.decode_id, request, ec_handle):
                 yield batch
@@ -103,26 +106,31 @@ class RouterActor:
     ) -> AsyncIterator[list[EngineCoreOutput]]:
         ec_handle = self._start_encode(plan, request)
         prefill_request = _for_prefill(request)
-        self.policy.on_prefill_start(plan.prefill_id, request.prompt_token_ids)
+        self.policy.on_prefill_start(plan.prefill_id, request.prompt_token_ids, _images(request))
         last = None
         try:
             async for batch in self._stream(plan.prefill_id, prefill_request, ec_handle):
                 last = batch[-1]
         finally:
             self.policy.on_prefill_end(plan.prefill_id, request.num_prompt_tokens)
-        if last is None or not last.new_token_ids or last.finish_reason != "length":
-            yield [last or _error(request.request_id, "prefill returned nothing")]
-            return  # error, abort, EOS or a stop string on the first token: P is done
-        params = last.kv_transfer_params
-        if _done_after_first_token(request, self.config) or params is None:
-            if params is not None:  # nobody will read the KV: let P free it now
-                self.handles[plan.prefill_id].abort.remote([request.request_id])
-            yield [last]
+        if last is None:
+            yield [_error(request.request_id, "prefill returned nothing")]
             return
+        continues = last.finish_reason == "length" and not _done_after_first_token(
+            request, self.config
+        )
+        if not continues or last.kv_transfer_params is None:
+            if last.kv_transfer_params is not None:  # nobody will read the KV: free it now
+                self.handles[plan.prefill_id].abort.remote([request.request_id])
+            yield [dataclasses.replace(last, kv_transfer_params=None)]
+            return  # error, abort, EOS, a stop string or max_tokens reached on P
+        decode_request = _for_decode(request, last.new_token_ids[0], last.kv_transfer_params)
         yield [dataclasses.replace(last, finish_reason=None, kv_transfer_params=None)]
-        decode_request = _for_decode(request, last.new_token_ids[0], params)
+        del last  # from here on only the decode request refers to P's KV
         max_tokens = _max_tokens(decode_request, self.config)
-        self.policy.on_decode_start(plan.decode_id, decode_request.prompt_token_ids, max_tokens)
+        self.policy.on_decode_start(
+            plan.decode_id, decode_request.prompt_token_ids, max_tokens, _images(request)
+        )
         try:
             async for batch in self._stream(plan.decode_id, decode_request, None):
                 yield batch
@@ -140,12 +148,20 @@ class RouterActor:
         self, instance_id: str, request: Request, ec_handle: list[ray.ObjectRef] | None
     ) -> AsyncIterator[list[EngineCoreOutput]]:
         self._holders[request.request_id].add(instance_id)
+        refs = self.handles[instance_id].generate.remote(request, ec_handle)
+        ref, finished = None, False
         try:
-            async for ref in self.handles[instance_id].generate.remote(request, ec_handle):
-                yield await ref
+            async for ref in refs:
+                batch = await ref
+                finished = batch[-1].finished
+                yield batch
         except ray.exceptions.RayActorError as exc:
             self.policy.mark_dead(instance_id)
             raise RuntimeError(f"instance {instance_id} died serving the request") from exc
+        finally:
+            if not finished:
+                abandon(refs)  # the instance aborts the request
+            del refs, ref  # a cancelled caller's traceback keeps this frame alive
 
     # ---- health ------------------------------------------------------------------------
     def _start_health_checks(self) -> None:
@@ -165,6 +181,10 @@ class RouterActor:
                 elif self.policy.instances[iid].healthy:
                     logger.warning("instance %s is unhealthy; routing around it", iid)
                     self.policy.mark_dead(iid)
+
+
+def _images(request: Request) -> list[tuple[int, int, str]]:
+    return [(f.offset, f.end, f.mm_hash) for f in request.mm_features]
 
 
 def _max_tokens(request: Request, config: RouterConfig) -> int:

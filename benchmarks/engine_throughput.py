@@ -10,7 +10,7 @@ prefix cache never hits across phases.
 
     python -m benchmarks.engine_throughput [--preset small-llama | --model DIR]
         [--num-prompts 16] [--prompt-len 128] [--output-len 64] [--batch-size N]
-        [--max-num-seqs N] [--max-num-batched-tokens N] [--no-prefill]
+        [--repeats 3] [--max-num-seqs N] [--max-num-batched-tokens N] [--no-prefill]
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128, help="mean; lengths vary ±50%%")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per side; best is kept")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per side; best is kept")
     p.add_argument("--batch-size", type=int, default=0, help="transformers (0: all prompts)")
     p.add_argument("--max-num-seqs", type=int, default=0, help="ours (0: all prompts)")
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="ours (0: default)")

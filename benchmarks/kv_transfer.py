@@ -124,7 +124,8 @@ def make_actors(ray, layout: Layout, pool_blocks: int, run: int, multinode: bool
             num_blocks = -(-num_tokens // layout.block_size)
             block_ids = shuffled_runs(num_blocks, run, pool_blocks, seed + 1)
             start = time.perf_counter()
-            num_external, _ = self.conn.get_num_new_matched_tokens(request, 0)
+            num_external, load_async = self.conn.get_num_new_matched_tokens(request, 0)
+            assert load_async and num_external == num_tokens
             self.conn.update_state_after_alloc(request, block_ids, num_external)
             self.conn.start_load_kv(self.conn.build_connector_meta(None))
             while True:  # the step loop: poll, yield briefly
@@ -135,6 +136,8 @@ def make_actors(ray, layout: Layout, pool_blocks: int, run: int, multinode: bool
                     raise RuntimeError("load failed")
                 time.sleep(0.0002)
             load_ms = (time.perf_counter() - start) * 1e3
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            self.conn.request_finished(request, block_ids)  # as D's scheduler does at the end
             return {"load_ms": load_ms, "dst_block_ids": block_ids}
 
         def check(self, src_block_ids: list[int], dst_block_ids: list[int]) -> bool:
@@ -172,16 +175,18 @@ def handoff(ray, producer, consumer, num_blocks: int, seed: int) -> dict:
     return {"publish_ms": publish_ms, "load_ms": loaded["load_ms"], "e2e_ms": e2e_ms}
 
 
+_seeds = iter(range(1000, 10**9, 2))  # request ids and block shuffles, unique per handoff
+
+
 def measure(ray, producer, consumer, layout: Layout, sizes_mb: list[float], args) -> list[dict]:
     rows = []
-    seed = 1000
     for size_mb in sizes_mb:
         num_blocks = max(1, round(size_mb * 2**20 / layout.block_bytes))
         nbytes = num_blocks * layout.block_bytes
         trials = []
         for _ in range(args.trials):
-            seed += 2
-            trials.append(handoff(ray, producer, consumer, num_blocks, seed))
+            trials.append(handoff(ray, producer, consumer, num_blocks, next(_seeds)))
+            time.sleep(args.pause_s)  # lets the store free the previous object
         memcpy = ray.get(consumer.memcpy_gbps.remote(nbytes, args.trials))
         med = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
         handoff_ms = statistics.median(t["publish_ms"] + t["load_ms"] for t in trials)
@@ -217,8 +222,16 @@ def run_suite(ray, layout: Layout, args, multinode: bool) -> None:
     producer, consumer = make_actors(ray, layout, pool_blocks, args.run, multinode)
     where = "two raylets (P on node 'p', D on node 'd')" if multinode else "one raylet"
     warm_blocks = pool_blocks - 2 * args.run
-    for i in range(args.warmup):  # touches both pools and the store(s)
-        handoff(ray, producer, consumer, warm_blocks, seed=i * 2)
+    cold = []
+    for _ in range(args.warmup):  # touches both pools and the store(s)
+        cold.append(handoff(ray, producer, consumer, warm_blocks, next(_seeds)))
+        time.sleep(args.pause_s)
+    if cold:
+        mib = warm_blocks * layout.block_bytes / 2**20
+        print(
+            f"\nfirst (cold) handoff of {mib:.0f} MiB: publish {cold[0]['publish_ms']:.1f} ms + "
+            f"load {cold[0]['load_ms']:.1f} ms"
+        )
     rows = measure(ray, producer, consumer, layout, args.sizes_mb, args)
     print_table(f"KV handoff through RayKVConnector, {where}; median of {args.trials}", rows)
     tokens = args.typical_tokens
@@ -258,7 +271,7 @@ def start_ray(args, multinode: bool):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256, 512])
-    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--trials", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--num-layers", type=int, default=12)
     parser.add_argument("--num-kv-heads", type=int, default=4)
@@ -267,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     parser.add_argument("--run", type=int, default=32, help="consecutive block ids per run")
     parser.add_argument("--typical-tokens", type=int, default=2048)
+    parser.add_argument("--pause-s", type=float, default=0.2, help="idle time between handoffs")
     parser.add_argument("--multinode", action="store_true", help="also across two raylets")
     parser.add_argument("--no-prealloc", action="store_true", help="plasma memory touched lazily")
     args = parser.parse_args(argv)

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.instance import InstanceActor, InstanceSpec
 from actors.router import RouterActor
+from actors.streams import abandon
 from cluster.config import ROLES, ClusterConfig
 from cluster.router import RouterConfig
 from engine.llm import RequestOutput, merge_output, new_request_output
@@ -77,14 +78,19 @@ class Cluster:
     async def stream(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
         """Outputs of one request as they arrive; leaving early aborts it everywhere."""
         finished = False
+        refs = self.router.generate.remote(request)
+        ref = None
         try:
-            async for ref in self.router.generate.remote(request):
+            async for ref in refs:
                 for out in await ref:
                     finished = finished or out.finished
                     yield out
         finally:
             if not finished:
                 self.router.abort.remote(request.request_id)
+                abandon(refs)
+            # A cancelled caller's traceback keeps this frame: drop the refs explicitly.
+            del refs, ref
 
     async def generate_async(
         self,
@@ -172,6 +178,7 @@ def init_ray(config: ClusterConfig) -> bool:
         kwargs["address"] = config.ray.address
     else:
         kwargs.update(
+            address="local",  # a new embedded cluster, not one `ray start` left running
             include_dashboard=False,  # never expose the dashboard from an embedded cluster
             num_cpus=config.ray.num_cpus,
             object_store_memory=config.ray.object_store_memory,

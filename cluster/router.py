@@ -9,6 +9,7 @@ Short prompts, or prompts mostly cached on a D already, are prefilled on D itsel
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 ROLE_ENCODER, ROLE_PREFILL, ROLE_DECODE, ROLE_MIXED = "encoder", "prefill", "decode", "mixed"
@@ -53,11 +54,16 @@ class Plan:
         return self.prefill_id is not None
 
 
-def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks (routing hint only, not for KV reuse)."""
+def block_hashes(
+    token_ids: list[int], block_size: int, images: Sequence[tuple[int, int, str]] = ()
+) -> list[int]:
+    """Chained hashes of the prompt's full blocks (a routing hint, not for KV reuse). A block
+    overlapping an image's placeholders, given as (offset, end, mm_hash), includes its hash."""
     hashes, parent = [], 0
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, *token_ids[start : start + block_size]))
+        end = start + block_size
+        extra = tuple(h for lo, hi, h in images if lo < end and start < hi)
+        parent = hash((parent, extra, *token_ids[start:end]))
         hashes.append(parent)
     return hashes
 
@@ -80,10 +86,13 @@ class RouterPolicy:
         return [i for i in self.instances.values() if i.role == role and i.healthy]
 
     # ---- decisions -------------------------------------------------------------------
-    def plan(self, prompt_token_ids: list[int], has_images: bool) -> Plan:
-        """Pick instances; raises RuntimeError when no live instance can serve."""
-        hashes = block_hashes(prompt_token_ids, self.config.block_size)
-        encoder = self._least(self._live(ROLE_ENCODER), "num_active") if has_images else None
+    def plan(
+        self, prompt_token_ids: list[int], images: Sequence[tuple[int, int, str]] = ()
+    ) -> Plan:
+        """Pick instances for a prompt whose images are (offset, end, mm_hash) runs; raises
+        RuntimeError when no live instance can serve."""
+        hashes = block_hashes(prompt_token_ids, self.config.block_size, images)
+        encoder = self._least(self._live(ROLE_ENCODER), "num_active") if images else None
         encoder_id = encoder.instance_id if encoder else None
         prefills, decodes = self._live(ROLE_PREFILL), self._live(ROLE_DECODE)
         if prefills and decodes:
@@ -132,11 +141,13 @@ class RouterPolicy:
         return n
 
     # ---- bookkeeping -----------------------------------------------------------------
-    def on_prefill_start(self, instance_id: str, prompt_token_ids: list[int]) -> None:
+    def on_prefill_start(
+        self, instance_id: str, prompt_token_ids: list[int], images: Sequence = ()
+    ) -> None:
         load = self.instances[instance_id]
         load.num_active += 1
         load.queued_prefill_tokens += len(prompt_token_ids)
-        self._remember(load, prompt_token_ids)
+        self._remember(load, prompt_token_ids, images)
 
     def on_prefill_end(self, instance_id: str, num_prompt_tokens: int) -> None:
         load = self.instances[instance_id]
@@ -144,20 +155,20 @@ class RouterPolicy:
         load.queued_prefill_tokens -= num_prompt_tokens
 
     def on_decode_start(
-        self, instance_id: str, prompt_token_ids: list[int], max_tokens: int
+        self, instance_id: str, prompt_token_ids: list[int], max_tokens: int, images: Sequence = ()
     ) -> None:
         load = self.instances[instance_id]
         load.num_active += 1
         load.kv_tokens += len(prompt_token_ids) + max_tokens
-        self._remember(load, prompt_token_ids)
+        self._remember(load, prompt_token_ids, images)
 
     def on_decode_end(self, instance_id: str, num_tokens: int) -> None:
         load = self.instances[instance_id]
         load.num_active -= 1
         load.kv_tokens -= num_tokens
 
-    def _remember(self, load: InstanceLoad, prompt: list[int]) -> None:
-        for h in block_hashes(prompt, self.config.block_size):
+    def _remember(self, load: InstanceLoad, prompt: list[int], images: Sequence) -> None:
+        for h in block_hashes(prompt, self.config.block_size, images):
             load.cached_blocks[h] = None
             load.cached_blocks.move_to_end(h)
         while len(load.cached_blocks) > self.config.max_tracked_blocks:

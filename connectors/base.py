@@ -89,6 +89,11 @@ class KVConnectorBase(ABC):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving) since the last call."""
 
+    def has_pending(self) -> bool:
+        """Work left with no request in the scheduler (e.g. a send cancelled by an abort that
+        still holds its object): the instance keeps stepping while this is True."""
+        return False
+
     def cancel_sends(self, request_ids: list[str]) -> None:  # noqa: B027
         """Producer: these requests were aborted; stop holding their KV for a reader."""
 

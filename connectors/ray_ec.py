@@ -56,7 +56,8 @@ class RayECConnector(ECConnectorBase):
 
     # ---- producer --------------------------------------------------------------------
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
-        self.outbox[mm_hash] = encoder_cache[mm_hash].detach().float().cpu().numpy()
+        if self.role == "producer":  # a consumer's local encodes stay local
+            self.outbox[mm_hash] = encoder_cache[mm_hash].detach().float().cpu().numpy()
 
     def take_outputs(self, mm_hashes: list[str]) -> dict[str, np.ndarray]:
         return {h: self.outbox[h] for h in mm_hashes if h in self.outbox}

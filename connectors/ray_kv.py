@@ -23,7 +23,7 @@ Handle (`kv_transfer_params["handle"]`), a plain dict:
 from __future__ import annotations
 
 import logging
-import queue
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -183,7 +183,8 @@ class RayKVConnector(KVConnectorBase):
         self._pool_dtype = ""
         # Producer: blocks stay referenced until the consumer acks or the lease expires.
         self._sends: dict[str, _PendingSend] = {}
-        self._events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # ack / cancel
+        self._released: set[str] = set()  # acked or cancelled, not yet reported
+        self._send_lock = threading.Lock()  # ack and cancel_sends may come from RPC threads
         # Consumer: a request id is claimed from allocation until it finishes here.
         self._claimed: set[str] = set()
         self._new_loads: list[RayKVLoad] = []
@@ -261,44 +262,51 @@ class RayKVConnector(KVConnectorBase):
         ref = ray.put(arrays)
         nbytes = sum(a.nbytes for a in arrays)
         self._publish_ms.add((time.perf_counter() - start_s) * 1e3)
-        if request_id in self._sends:
-            logger.warning("request %r published twice; the first copy is dropped", request_id)
-        self._sends[request_id] = _PendingSend(ref, time.monotonic() + self.lease_s, nbytes)
-        self._counters["num_sends"] += 1
-        self._counters["bytes_sent"] += nbytes
+        with self._send_lock:
+            if request_id in self._sends:
+                logger.warning("request %r published twice; first copy dropped", request_id)
+            self._sends[request_id] = _PendingSend(ref, time.monotonic() + self.lease_s, nbytes)
+            self._counters["num_sends"] += 1
+            self._counters["bytes_sent"] += nbytes
         run_lengths = tuple(n for _, n in runs)
         return RayKVHandle(ref, run_lengths, block_shape, self._pool_dtype, nbytes)
 
     def ack(self, request_id: str) -> None:
-        """The consumer has read `request_id`. Thread-safe: called from an RPC thread."""
-        self._events.put(("ack", request_id))
+        """The consumer has read `request_id`: the object is dropped now, the blocks are
+        released at the next get_finished. Late (after the lease), duplicate and unknown acks
+        are counted and ignored. Thread-safe: called from the actor's RPC thread."""
+        with self._send_lock:
+            self._counters["acks_received"] += 1
+            if self._sends.pop(request_id, None) is None:
+                self._counters["acks_ignored"] += 1
+            else:
+                self._released.add(request_id)
+
+    def has_pending(self) -> bool:
+        return bool(
+            self._sends or self._released or self._new_loads or self._inflight or self._failed
+        )
 
     def cancel_sends(self, request_ids: set[str] | list[str]) -> None:
-        """Aborted on P before the consumer read: reported at the next get_finished.
-        Thread-safe."""
-        for request_id in request_ids:
-            self._events.put(("cancel", request_id))
+        """Aborted on P before the consumer read: the object is dropped now and the requests
+        are reported at the next get_finished. Unknown ids are ignored. Thread-safe."""
+        with self._send_lock:
+            for request_id in request_ids:
+                if self._sends.pop(request_id, None) is not None:
+                    self._released.add(request_id)
+                    self._counters["sends_cancelled"] += 1
 
     def _collect_finished_sends(self) -> set[str]:
-        done: set[str] = set()
-        while True:
-            try:
-                kind, request_id = self._events.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "ack":
-                self._counters["acks_received"] += 1
-            if self._sends.pop(request_id, None) is not None:
-                done.add(request_id)
-                self._counters["sends_cancelled"] += kind == "cancel"
-            elif kind == "ack":  # late (after the lease), duplicate, or unknown
-                self._counters["acks_ignored"] += 1
+        """Released since the last call, plus sends whose lease ran out (their refs dropped)."""
         now = time.monotonic()
-        expired = [rid for rid, send in self._sends.items() if send.deadline_s <= now]
+        with self._send_lock:
+            done, self._released = self._released, set()
+            expired = [rid for rid, send in self._sends.items() if send.deadline_s <= now]
+            for request_id in expired:
+                del self._sends[request_id]
+            self._counters["leases_expired"] += len(expired)
         for request_id in expired:
-            del self._sends[request_id]  # drops the ref: the store may free the object
             logger.warning("request %r: KV lease expired before the consumer acked", request_id)
-        self._counters["leases_expired"] += len(expired)
         return done.union(expired)
 
     # ---- consumer: scheduler side ----------------------------------------------------------
@@ -459,12 +467,13 @@ class RayKVConnector(KVConnectorBase):
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Drop every reference this connector holds; nothing is reported afterwards."""
-        self._sends.clear()
         self._new_loads.clear()
         self._inflight.clear()
         self._failed.clear()
         self._claimed.clear()
-        self._events = queue.SimpleQueue()
+        with self._send_lock:
+            self._sends.clear()
+            self._released.clear()
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -90,7 +90,8 @@ class EngineCore:
             raise ValueError("this model does not accept images")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests()
+        kv_pending = self.kv_connector is not None and self.kv_connector.has_pending()
+        return self.scheduler.has_requests() or kv_pending
 
     def request_ids(self) -> list[str]:
         """Every request this instance holds state for, finished-but-held ones included."""
@@ -122,6 +123,7 @@ class EngineCore:
                 features = self.runner.requests[req_id].mm_features
                 for idx in indices:
                     self.ec_connector.save_caches(self.runner.encoder_cache, features[idx].mm_hash)
+            self.ec_connector.get_finished(so.finished_req_ids)
         if self.kv_connector is not None:
             self.kv_connector.save_kv(so.kv_connector_metadata)
             self.kv_connector.wait_for_save()

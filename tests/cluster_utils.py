@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import ray
 from PIL import Image
 
 from cluster.config import ClusterConfig
 from cluster.launch import Cluster, launch
 from engine import SamplingParams
+from engine.llm import RequestOutput, merge_output, new_request_output
+from engine.request import Request
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -76,3 +81,46 @@ def instance_stats(cluster: Cluster, role: str) -> dict[str, Any]:
 
 def handle(cluster: Cluster, role: str, index: int = 0):
     return [h for r, h in cluster.instances.values() if r == role][index]
+
+
+async def collect(cluster: Cluster, request: Request) -> RequestOutput:
+    result = new_request_output(request)
+    async for out in cluster.stream(request):
+        merge_output(result, out)
+    return result
+
+
+def live_object_ids() -> set[str]:
+    """Objects some process references. Collects this process's cyclic garbage first: a
+    cancelled client task's traceback can hold a stream's refs until then."""
+    from tests.test_ray_kv_connector import our_objects_in_store
+
+    gc.collect()
+    return our_objects_in_store()
+
+
+def assert_clean(cluster: Cluster, baseline: set[str], timeout_s: float = 20.0) -> None:
+    """Every instance idle (all blocks free, nothing queued or held), the router tracks no
+    request, and no object created since `baseline` is still alive in the object store."""
+    cluster.wait_idle(timeout_s)
+    assert wait_until(lambda: ray.get(cluster.router.num_in_flight.remote()) == 0, timeout_s)
+    assert wait_until(lambda: not (live_object_ids() - baseline), timeout_s), _describe(
+        live_object_ids() - baseline
+    )
+
+
+def _describe(object_ids: set[str]) -> str:
+    from ray._private.internal_api import memory_summary
+
+    summary = memory_summary(ray.get_runtime_context().gcs_address, line_wrap=False)
+    return "\n".join(line for line in summary.splitlines() if any(i in line for i in object_ids))
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    """`wait_until` for coroutines: lets the event loop run between polls."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return predicate()
