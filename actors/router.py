@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 5.0
+MAX_RETRIES = 1  # plans of a request after its instance died before it yielded anything
+
+
+class InstanceDied(RuntimeError):
+    """An instance's actor died (or restarted) while it served a request."""
 
 
 class RouterActor:
@@ -49,12 +54,11 @@ class RouterActor:
         self._holders[rid] = set()
         finished = False
         try:
-            plan = self.policy.plan(request.prompt_token_ids, _images(request))
-            flow = self._disaggregated if plan.disaggregated else self._colocated
-            async for batch in flow(plan, request):
+            async for batch in self._serve(request):
                 finished = batch[-1].finished
                 yield batch
         except RuntimeError as exc:  # no live instance, or one died mid-request
+            await self.abort(rid)  # survivors may hold its state, e.g. P's KV for a dead D
             finished = True
             yield [_error(rid, str(exc))]
         finally:
@@ -87,6 +91,27 @@ class RouterActor:
         return len(self._holders)
 
     # ---- flows -------------------------------------------------------------------------
+    async def _serve(self, request: Request) -> AsyncIterator[list[EngineCoreOutput]]:
+        """Plan and run the request. When an instance dies before anything reached the
+        client, the request is planned again, once, around it (a second death is an error:
+        a request that kills instances must not take the whole cluster down)."""
+        rid = request.request_id
+        for attempt in range(1 + MAX_RETRIES):
+            plan = self.policy.plan(request.prompt_token_ids, _images(request))
+            flow = self._disaggregated if plan.disaggregated else self._colocated
+            yielded = False
+            try:
+                async for batch in flow(plan, request):
+                    yielded = True
+                    yield batch
+                return
+            except InstanceDied as exc:
+                if yielded or attempt == MAX_RETRIES:
+                    raise
+                logger.warning("request %r: %s; planning it again", rid, exc)
+                await self.abort(rid)  # e.g. E's encode for the lost attempt
+                self._holders[rid] = set()
+
     async def _colocated(
         self, plan: Plan, request: Request
     ) -> AsyncIterator[list[EngineCoreOutput]]:
@@ -157,7 +182,7 @@ class RouterActor:
                 yield batch
         except ray.exceptions.RayActorError as exc:
             self.policy.mark_dead(instance_id)
-            raise RuntimeError(f"instance {instance_id} died serving the request") from exc
+            raise InstanceDied(f"instance {instance_id} died serving the request") from exc
         finally:
             if not finished:
                 abandon(refs)  # the instance aborts the request

@@ -28,6 +28,51 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_config(args: argparse.Namespace):
+    from cluster.config import ClusterConfig
+
+    config = ClusterConfig.from_yaml(args.config)
+    gateway, ray_settings = config.gateway, config.ray
+    if getattr(args, "host", None):
+        gateway = gateway.model_copy(update={"host": args.host})
+    if getattr(args, "port", None) is not None:
+        gateway = gateway.model_copy(update={"port": args.port})
+    if getattr(args, "address", None):
+        ray_settings = ray_settings.model_copy(update={"address": args.address})
+    return config.model_copy(update={"gateway": gateway, "ray": ray_settings})
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from cluster.serve import serve
+
+    serve(_load_config(args))
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        response = httpx.get(f"{args.url.rstrip('/')}/v1/cluster", headers=headers, timeout=10)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot read {args.url}/v1/cluster: {exc}") from None
+    columns = ["id", "role", "healthy", "num_blocks_free", "num_blocks_total", "num_running",
+               "num_waiting", "num_deferred", "num_pending_transfers"]  # fmt: skip
+    rows = [[str(i.get(c, "")) for c in columns] for i in response.json()["instances"]]
+    widths = [max(len(c), *(len(r[k]) for r in rows)) for k, c in enumerate(columns)]
+    for row in [columns, *rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+    return 0
+
+
+def _cmd_job(args: argparse.Namespace) -> int:
+    from cluster.job import main as job_main
+
+    return job_main(args.job_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -46,6 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("serve", help="start a cluster and its OpenAI-compatible gateway")
+    p.add_argument("--config", default="ray_configs/local-1e1p1d.yaml", help="topology YAML")
+    p.add_argument("--host", default=None, help="listen address (default from config: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default from config)")
+    p.add_argument("--address", default=None, help="existing Ray cluster (default: embedded)")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("status", help="the instances of a running gateway, as a table")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+    p.add_argument("--api-key", default=None)
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("job", help="batch inference: JSONL in, JSONL out (see cluster.job)")
+    p.add_argument("job_args", nargs=argparse.REMAINDER, help="arguments of python -m cluster.job")
+    p.set_defaults(func=_cmd_job)
     return parser
 
 

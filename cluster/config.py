@@ -10,11 +10,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 ROLES = ("encoder", "prefill", "decode", "mixed")
+
+
+def _override_errors(role: str, exc: ValidationError) -> str:
+    """`exc` of a role's engine overrides, each error located as `<role>.engine.<key>`."""
+    return "; ".join(
+        f"{role}.engine.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+    )
 
 
 class _Strict(BaseModel):
@@ -111,8 +118,11 @@ class ClusterConfig(_Strict):
     def _check_topology(self) -> ClusterConfig:
         if self.prefill.count + self.decode.count + self.mixed.count == 0:
             raise ValueError("a topology needs at least one prefill, decode or mixed instance")
-        for role in ROLES:
-            self.engine_settings(role)  # overrides must be valid engine settings
+        for role in ROLES:  # overrides must be valid engine settings
+            try:
+                self.engine_settings(role)
+            except ValidationError as exc:
+                raise ValueError(_override_errors(role, exc)) from None
         if self.prefill.count and self.decode.count:
             p, d = self.engine_settings("prefill"), self.engine_settings("decode")
             if p.block_size != d.block_size:

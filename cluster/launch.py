@@ -120,6 +120,20 @@ class Cluster:
     def stats(self) -> list[dict[str, Any]]:
         return ray.get(self.router.cluster_stats.remote())
 
+    async def stats_async(self) -> list[dict[str, Any]]:
+        return await self.router.cluster_stats.remote()
+
+    @property
+    def model_name(self) -> str:
+        """The model id clients use: the configured name, else the preset or folder name."""
+        name = self.config.gateway.served_model_name or self.config.model or DEFAULT_MODEL
+        return name.removeprefix("preset:").rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def max_model_len(self) -> int:
+        roles = [r for r in ("decode", "mixed", "prefill") if self.config.role(r).count]
+        return self.config.engine_settings(roles[0]).max_model_len
+
     def wait_idle(self, timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Wait until every instance holds nothing (all blocks free, no request, no pending
         transfer); returns the last stats. Raises TimeoutError naming what is still held."""

@@ -98,7 +98,7 @@ class RouterPolicy:
         if prefills and decodes:
             decode = self._least(decodes, "kv_tokens")
             if self._prefill_on_decode(prompt_token_ids, hashes, decode):
-                return Plan(None, None, decode.instance_id)
+                return Plan(encoder_id, None, decode.instance_id)
             prefill = self._pick(prefills, hashes, "queued_prefill_tokens")
             return Plan(encoder_id, prefill.instance_id, decode.instance_id)
         # A role is missing: serve colocated, on mixed instances first.
@@ -123,7 +123,10 @@ class RouterPolicy:
         least = self._least(candidates, load)
         if not self.config.prefix_aware or not hashes:
             return least
-        best = max(candidates, key=lambda i: self._num_cached_blocks(i, hashes))
+        # Longest cached prefix; among equal prefixes, the least loaded.
+        best = max(
+            candidates, key=lambda i: (self._num_cached_blocks(i, hashes), -getattr(i, load))
+        )
         slack = getattr(best, load) - getattr(least, load)
         if self._num_cached_blocks(best, hashes) > 0 and slack <= self.config.prefix_slack_tokens:
             return best
@@ -168,7 +171,9 @@ class RouterPolicy:
         load.kv_tokens -= num_tokens
 
     def _remember(self, load: InstanceLoad, prompt: list[int], images: Sequence) -> None:
-        for h in block_hashes(prompt, self.config.block_size, images):
+        # Leading blocks are touched last so they are evicted last: a prefix match needs
+        # the chain from the first block.
+        for h in reversed(block_hashes(prompt, self.config.block_size, images)):
             load.cached_blocks[h] = None
             load.cached_blocks.move_to_end(h)
         while len(load.cached_blocks) > self.config.max_tracked_blocks:

@@ -1,0 +1,525 @@
+"""The OpenAI-compatible REST gateway (FastAPI) in front of a running pdcluster.
+
+Every client mistake is a 4xx with an OpenAI-shaped error body; a client that goes away
+aborts its request on every instance that holds state for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+from urllib.parse import urlparse
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from cluster.config import GatewaySettings
+from cluster.metrics import GatewayMetrics
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from engine.multimodal import decode_data_url, load_image
+from engine.outputs import EngineCoreOutput
+from engine.request import Request as EngineRequest
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+DISCONNECT_POLL_S = 0.1
+IMAGE_FETCH_TIMEOUT_S = 10.0
+
+
+class ClusterClient(Protocol):
+    """What the gateway needs of a cluster (cluster.launch.Cluster provides it)."""
+
+    tokenizer: Tokenizer
+
+    def make_request(
+        self, prompt: Any, params: SamplingParams, request_id: str
+    ) -> EngineRequest: ...
+
+    def stream(self, request: EngineRequest) -> AsyncIterator[EngineCoreOutput]: ...
+
+    async def stats_async(self) -> list[dict[str, Any]]: ...
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "internal_error"
+        if self.status == 401:
+            kind = "authentication_error"
+        body = {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+        return JSONResponse(body, status_code=self.status)
+
+
+@dataclass
+class _Result:
+    """One prompt's output as it accumulates."""
+
+    index: int
+    num_prompt_tokens: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def create_app(
+    cluster: ClusterClient, settings: GatewaySettings, model_name: str, max_model_len: int
+) -> FastAPI:
+    app = FastAPI(title="pdcluster", version="0.1.0")
+    metrics = GatewayMetrics()
+    gw = _Gateway(cluster, settings, model_name, max_model_len, metrics)
+
+    @app.middleware("http")
+    async def guard(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        try:
+            gw.authorize(request)
+            gw.check_size(request)
+        except APIError as exc:
+            return exc.response()
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gw.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gw.chat_completions(request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": gw.created,
+            "owned_by": "pdcluster",
+            "max_model_len": max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/cluster")
+    async def cluster_view() -> dict[str, Any]:
+        return {"instances": [_instance_view(s) for s in await cluster.stats_async()]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            stats = await asyncio.wait_for(cluster.stats_async(), 5.0)
+        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+            return JSONResponse({"status": "unhealthy", "reason": str(exc)}, status_code=503)
+        serving = [s for s in stats if s.get("role") != "encoder" and s.get("healthy")]
+        if not serving:
+            return JSONResponse(
+                {"status": "unhealthy", "reason": "no healthy instance"}, status_code=503
+            )
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        try:
+            metrics.instances.snapshot = await asyncio.wait_for(cluster.stats_async(), 5.0)
+        except Exception:  # noqa: BLE001 - serve the request metrics even then
+            metrics.instances.snapshot = []
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _instance_view(s: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": s.get("id"),
+        "role": s.get("role"),
+        "healthy": bool(s.get("healthy")),
+        "num_blocks_total": s.get("num_blocks_total", 0),
+        "num_blocks_free": s.get("num_blocks_free", 0),
+        "num_running": s.get("num_running", 0),
+        "num_waiting": s.get("num_waiting", 0),
+        "num_deferred": s.get("num_deferred", 0),
+        "num_pending_transfers": s.get("num_pending_sends", 0) + s.get("num_pending_recvs", 0),
+    }
+
+
+class _Gateway:
+    def __init__(
+        self,
+        cluster: ClusterClient,
+        settings: GatewaySettings,
+        model_name: str,
+        max_model_len: int,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.cluster = cluster
+        self.settings = settings
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    # ---- guards ----------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None or not request.url.path.startswith("/v1/"):
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise APIError(401, "missing or invalid API key", "invalid_api_key")
+
+    def check_size(self, request: Request) -> None:
+        length = request.headers.get("content-length")
+        if length is not None and (
+            not length.isdigit() or int(length) > self.settings.max_body_bytes
+        ):
+            raise APIError(
+                413, f"request body exceeds {self.settings.max_body_bytes} bytes", "body_too_large"
+            )
+
+    async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
+        body = await request.body()
+        if len(body) > self.settings.max_body_bytes:
+            raise APIError(
+                413, f"request body exceeds {self.settings.max_body_bytes} bytes", "body_too_large"
+            )
+        try:
+            data = json.loads(body, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "request body must be a JSON object", "invalid_json")
+        try:
+            parsed = model.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first["loc"])
+            raise APIError(400, f"{param}: {first['msg']}", "invalid_value", param) from None
+        except RecursionError:
+            raise APIError(400, "request body is nested too deeply", "invalid_json") from None
+        if parsed.model != self.model_name:
+            raise APIError(
+                404,
+                f"model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
+                "model_not_found",
+                "model",
+            )
+        return parsed
+
+    # ---- endpoints -------------------------------------------------------------------
+    async def completions(self, http: Request) -> Response:
+        body = await self.parse(http, CompletionRequest)
+        try:
+            prompts = body.prompts()
+            requests = [
+                self._make(p, body.sampling_params(body.max_tokens, body.logprobs)) for p in prompts
+            ]
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value") from None
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return self._sse(self._completion_chunks(rid, requests, include_usage), requests)
+        results = await self._run_to_end(http, requests)
+        choices = [
+            {
+                "index": r.index,
+                "text": r.text,
+                "logprobs": self._completion_logprobs(r, body.logprobs),
+                "finish_reason": r.finish_reason,
+            }
+            for r in results
+        ]
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": choices,
+                "usage": _usage(results),
+            }
+        )
+
+    async def chat_completions(self, http: Request) -> Response:
+        body = await self.parse(http, ChatCompletionRequest)
+        try:
+            token_ids = self.cluster.tokenizer.encode_chat(body.template_messages())
+            images = [await self._fetch_image(url) for url in body.image_urls()]
+            prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            params = body.sampling_params(body.max_new_tokens(), 0 if body.logprobs else None)
+            requests = [self._make(prompt, params)]
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value") from None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return self._sse(self._chat_chunks(rid, requests[0], include_usage), requests)
+        result = (await self._run_to_end(http, requests))[0]
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": self._chat_logprobs(result) if body.logprobs else None,
+            "finish_reason": result.finish_reason,
+        }
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [choice],
+                "usage": _usage([result]),
+            }
+        )
+
+    # ---- request building ------------------------------------------------------------
+    def _make(self, prompt: Any, params: SamplingParams) -> EngineRequest:
+        request = self.cluster.make_request(prompt, params, f"req-{uuid.uuid4().hex}")
+        room = self.max_model_len - request.num_prompt_tokens
+        if room < 1:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; this model's maximum context length is {self.max_model_len} tokens"
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {request.num_prompt_tokens} and max_tokens asks for {params.max_tokens} more"
+            )
+        return request
+
+    async def _fetch_image(self, url: str) -> Any:
+        """A data: URL, or an http(s) URL whose host the config allow-lists (no other
+        server-side fetch is ever made)."""
+        if url.startswith("data:"):
+            return load_image(decode_data_url(url, self.settings.max_body_bytes))
+        parsed = urlparse(url)
+        allowed = self.settings.allowed_image_hosts
+        if parsed.scheme not in ("http", "https") or parsed.hostname not in allowed:
+            raise ValueError(
+                "image_url must be a data: URL; remote URLs are refused unless their host is "
+                "allow-listed"
+            )
+        return load_image(await asyncio.to_thread(_download, url, self.settings.max_body_bytes))
+
+    # ---- running ---------------------------------------------------------------------
+    async def _stream_one(
+        self,
+        index: int,
+        request: EngineRequest,
+        sink: Callable[[int, EngineCoreOutput, _Result], None],
+    ) -> _Result:
+        """Drive one request, recording latency metrics; `sink` sees every output."""
+        result = _Result(index, request.num_prompt_tokens)
+        start = last = time.perf_counter()
+        self.metrics.prompt_tokens.inc(request.num_prompt_tokens)
+        async for out in self.cluster.stream(request):
+            now = time.perf_counter()
+            if out.new_token_ids:
+                (self.metrics.itl if result.token_ids else self.metrics.ttft).observe(now - last)
+                last = now
+                self.metrics.generated_tokens.inc(len(out.new_token_ids))
+            result.text += out.new_text
+            result.token_ids += out.new_token_ids
+            result.logprobs += out.new_logprobs or []
+            if out.finished:
+                result.finish_reason, result.error = out.finish_reason, out.error
+            sink(index, out, result)
+        self.metrics.e2e.observe(time.perf_counter() - start)
+        self.metrics.requests.labels(result.finish_reason or "abort").inc()
+        return result
+
+    async def _run_to_end(self, http: Request, requests: list[EngineRequest]) -> list[_Result]:
+        """Non-streaming: all prompts at once; a client that disconnects aborts them."""
+        work = asyncio.gather(*(self._stream_one(i, r, _ignore) for i, r in enumerate(requests)))
+        watch = asyncio.ensure_future(_wait_disconnect(http))
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                work.cancel()
+                raise APIError(499, "client closed the request", "client_closed")
+        finally:
+            watch.cancel()
+        results = work.result()
+        failed = [r for r in results if r.finish_reason == "error"]
+        if failed:
+            raise APIError(500, failed[0].error or "the request failed", "request_failed")
+        return results
+
+    def _sse(
+        self, chunks: AsyncIterator[dict[str, Any]], requests: list[EngineRequest]
+    ) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(
+            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    async def _merged(
+        self, requests: list[EngineRequest]
+    ) -> AsyncIterator[tuple[int, EngineCoreOutput, _Result]]:
+        """Outputs of several requests as they arrive (cancelling this aborts all of them)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [
+            asyncio.ensure_future(
+                self._stream_one(i, r, lambda i, o, res: queue.put_nowait((i, o, res)))
+            )
+            for i, r in enumerate(requests)
+        ]
+        remaining = len(requests)
+        try:
+            while remaining:
+                index, out, result = await queue.get()
+                remaining -= out.finished
+                yield index, out, result
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _completion_chunks(
+        self, rid: str, requests: list[EngineRequest], include_usage: bool
+    ) -> AsyncIterator[dict[str, Any]]:
+        base = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+        results: dict[int, _Result] = {}
+        async for index, out, result in self._merged(requests):
+            results[index] = result
+            choice = {
+                "index": index,
+                "text": out.new_text,
+                "logprobs": None,
+                "finish_reason": out.finish_reason,
+            }
+            if out.finish_reason == "error":
+                choice["error"] = out.error
+            yield {**base, "choices": [choice]}
+        if include_usage:
+            yield {**base, "choices": [], "usage": _usage(list(results.values()))}
+
+    async def _chat_chunks(
+        self, rid: str, request: EngineRequest, include_usage: bool
+    ) -> AsyncIterator[dict[str, Any]]:
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+        yield {
+            **base,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        }
+        final = None
+        async for _, out, result in self._merged([request]):
+            final = result
+            if not out.new_text and not out.finished:
+                continue  # text held back (an incomplete character, a possible stop string)
+            delta = {"content": out.new_text} if out.new_text else {}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": out.finish_reason,
+            }
+            if out.finish_reason == "error":
+                choice["error"] = out.error
+            yield {**base, "choices": [choice]}
+        if include_usage and final is not None:
+            yield {**base, "choices": [], "usage": _usage([final])}
+
+    # ---- logprobs --------------------------------------------------------------------
+    def _completion_logprobs(self, r: _Result, logprobs: int | None) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        tokens = [
+            self.cluster.tokenizer.decode([t], skip_special_tokens=False) for t in r.token_ids
+        ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": r.logprobs,
+            "top_logprobs": None,
+            "text_offset": None,
+        }
+
+    def _chat_logprobs(self, r: _Result) -> dict[str, Any]:
+        tok = self.cluster.tokenizer
+        content = [
+            {
+                "token": tok.decode([t], skip_special_tokens=False),
+                "logprob": lp,
+                "bytes": None,
+                "top_logprobs": [],
+            }
+            for t, lp in zip(r.token_ids, r.logprobs)
+        ]
+        return {"content": content}
+
+
+def _usage(results: list[_Result]) -> dict[str, int]:
+    prompt = sum(r.num_prompt_tokens for r in results)
+    completion = sum(len(r.token_ids) for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _download(url: str, max_bytes: int) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=IMAGE_FETCH_TIMEOUT_S) as response:  # noqa: S310
+            data = response.read(max_bytes + 1)
+    except OSError as exc:
+        raise ValueError(f"could not fetch image {url}: {exc}") from None
+    if len(data) > max_bytes:
+        raise ValueError(f"image at {url} exceeds {max_bytes} bytes")
+    return data
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _ignore(*_: Any) -> None:
+    return None
+
+
+async def _wait_disconnect(http: Request) -> None:
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)

@@ -1,0 +1,443 @@
+"""Batch inference through a pdcluster: JSONL prompts in, JSONL results out.
+
+    python -m cluster.job --config CONFIG --input prompts.jsonl --output results.jsonl
+
+Each input line is an object with an `id` (string or integer, unique in the file) and one of
+`prompt` (text), `messages` (OpenAI chat messages, rendered with the model's chat template;
+images as `image_url` parts with `data:` URLs) or `prompt_token_ids`, plus optional sampling
+fields. Each result is one line, written and flushed as its request finishes:
+`{"id", "text", "token_ids", "finish_reason", "num_prompt_tokens"}`, with `"error"` added
+when finish_reason is "error". A bad input line gets such an error line; the job goes on.
+
+Rerunning with the same output file skips every id already in it, so a job that stopped
+part way resumes where it left off. Under `ray job submit` the job joins the job's cluster
+(Ray sets RAY_ADDRESS); give input and output as absolute paths there, since the job runs
+in a copy of the working directory.
+
+Exit status: 0 when the job ran (even with per-line errors), 2 on a config or I/O error,
+1 when the cluster failed to start, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import binascii
+import json
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+from cluster.config import ClusterConfig
+from engine.llm import merge_output, new_request_output
+from engine.processor import PromptType
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.launch import Cluster
+
+PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens")
+FLOAT_FIELDS = ("temperature", "top_p")
+BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+LIST_FIELDS = ("stop", "stop_token_ids")
+SAMPLING_FIELDS = (*INT_FIELDS, *FLOAT_FIELDS, *BOOL_FIELDS, *LIST_FIELDS)
+INPUT_KEYS = frozenset(("id", *PROMPT_KEYS, *SAMPLING_FIELDS))
+
+ItemId = str | int
+
+
+@dataclass
+class JobItem:
+    """One input line: a prompt and its sampling parameters, or why it is invalid."""
+
+    line_no: int
+    item_id: ItemId
+    prompt_key: str = ""
+    prompt: Any = None
+    params: SamplingParams | None = None
+    error: str | None = None
+
+
+# ---- input --------------------------------------------------------------------------------
+
+
+def parse_line(line_no: int, text: str, defaults: dict[str, Any]) -> JobItem | str:
+    """A `JobItem` (possibly carrying an error), or a message when the line has no usable id."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return f"line {line_no}: invalid JSON ({exc.msg} at column {exc.colno})"
+    if not isinstance(data, dict):
+        return f"line {line_no}: expected a JSON object, got {type(data).__name__}"
+    item_id = data.get("id")
+    if isinstance(item_id, bool) or not isinstance(item_id, (str, int)) or item_id == "":
+        return f"line {line_no}: 'id' is required (a non-empty string or an integer)"
+    item = JobItem(line_no, item_id)
+    try:
+        item.prompt_key, item.prompt = _prompt_field(data)
+        item.params = _sampling_params(data, defaults)
+    except (TypeError, ValueError) as exc:
+        item.error = str(exc)
+    return item
+
+
+def _prompt_field(data: dict[str, Any]) -> tuple[str, Any]:
+    unknown = sorted(set(data) - INPUT_KEYS)
+    if unknown:
+        raise ValueError(f"unknown fields {unknown}; allowed: {sorted(INPUT_KEYS)}")
+    present = [k for k in PROMPT_KEYS if k in data]
+    if len(present) != 1:
+        raise ValueError("a line needs exactly one of 'prompt', 'messages', 'prompt_token_ids'")
+    key = present[0]
+    value = data[key]
+    if key == "prompt" and not isinstance(value, str):
+        raise ValueError("'prompt' must be a string")
+    if key == "messages" and (not isinstance(value, list) or not value):
+        raise ValueError("'messages' must be a non-empty list of chat messages")
+    if key == "prompt_token_ids" and not isinstance(value, list):
+        raise ValueError("'prompt_token_ids' must be a list of integers")
+    return key, value
+
+
+def _sampling_params(data: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+    fields = {k: data[k] for k in SAMPLING_FIELDS if k in data}
+    for key, value in fields.items():
+        _check_type(key, value)
+    return SamplingParams(**{**defaults, **fields})
+
+
+def _check_type(key: str, value: Any) -> None:
+    if key in INT_FIELDS:
+        ok = value is None if key == "seed" else False
+        ok = ok or (isinstance(value, int) and not isinstance(value, bool))
+        expected = "an integer"
+    elif key in FLOAT_FIELDS:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        expected = "a number"
+    elif key in BOOL_FIELDS:
+        ok, expected = isinstance(value, bool), "true or false"
+    elif key == "stop":
+        ok = isinstance(value, str) or (
+            isinstance(value, list) and all(isinstance(s, str) for s in value)
+        )
+        expected = "a string or a list of strings"
+    else:
+        ok = isinstance(value, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value
+        )
+        expected = "a list of integers"
+    if not ok:
+        raise ValueError(f"'{key}' must be {expected}, got {json.dumps(value)}")
+
+
+def read_items(
+    lines: Iterable[str], defaults: dict[str, Any], warn: IO[str]
+) -> tuple[list[JobItem], int]:
+    """Parse every non-blank line; returns the items and how many lines were dropped
+    (no usable id, or a repeated id), each dropped line reported on `warn`."""
+    items: list[JobItem] = []
+    first_line: dict[ItemId, int] = {}
+    num_dropped = 0
+    for line_no, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        item = parse_line(line_no, text, defaults)
+        if isinstance(item, JobItem) and item.item_id in first_line:
+            item = (
+                f"line {line_no}: duplicate id {json.dumps(item.item_id)} "
+                f"(first on line {first_line[item.item_id]}); line skipped"
+            )
+        if isinstance(item, str):
+            print(f"warning: {item}", file=warn)
+            num_dropped += 1
+            continue
+        first_line[item.item_id] = line_no
+        items.append(item)
+    return items, num_dropped
+
+
+# ---- output -------------------------------------------------------------------------------
+
+
+def read_done_ids(path: Path, retry_errors: bool = False) -> set[ItemId]:
+    """Ids already written to `path`. A partly written last line (a crash mid-write) is cut
+    off; with `retry_errors`, error lines are removed so that those ids run again."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    kept: list[bytes] = []
+    done: set[ItemId] = set()
+    for raw in complete.splitlines(keepends=True):
+        try:
+            result = json.loads(raw)
+        except ValueError:
+            result = None
+        if not isinstance(result, dict) or "id" not in result:
+            continue  # unreadable line: its id (if any) runs again
+        if retry_errors and result.get("finish_reason") == "error":
+            continue
+        kept.append(raw)
+        done.add(result["id"])
+    if len(complete) != len(data) or (retry_errors and len(kept) != len(complete.splitlines())):
+        _replace(path, b"".join(kept) if retry_errors else complete)
+    return done
+
+
+def _replace(path: Path, content: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(content)
+    os.replace(tmp, path)
+
+
+def result_line(item: JobItem, **fields: Any) -> dict[str, Any]:
+    line = {
+        "id": item.item_id,
+        "text": fields.get("text", ""),
+        "token_ids": fields.get("token_ids", []),
+        "finish_reason": fields.get("finish_reason", "error"),
+        "num_prompt_tokens": fields.get("num_prompt_tokens", 0),
+    }
+    if fields.get("error") is not None or line["finish_reason"] == "error":
+        line["error"] = fields.get("error") or "request failed"
+    return line
+
+
+class ResultWriter:
+    """Appends one JSON line per result and flushes it, so a crash loses nothing written."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8")
+        self.num_written = 0
+        self.num_errors = 0
+
+    def write(self, line: dict[str, Any]) -> None:
+        self._file.write(json.dumps(line, ensure_ascii=False) + "\n")
+        self._file.flush()
+        self.num_written += 1
+        self.num_errors += line["finish_reason"] == "error"
+
+    def close(self) -> None:
+        self._file.close()
+
+
+# ---- running ------------------------------------------------------------------------------
+
+
+def to_prompt(cluster: Cluster, item: JobItem) -> PromptType:
+    """The engine prompt of an item; chat messages are rendered with the chat template."""
+    if item.prompt_key != "messages":
+        return item.prompt
+    images = [_image_bytes(part) for part in _image_parts(item.prompt)]
+    token_ids = cluster.tokenizer.encode_chat(item.prompt)
+    if not images:
+        return token_ids
+    return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
+
+
+def _image_parts(messages: list[Any]) -> Iterator[dict[str, Any]]:
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError("each message must be an object with a 'role'")
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict):
+                    raise ValueError("each content part must be an object with a 'type'")
+                if part.get("type") in ("image_url", "input_image", "image"):
+                    yield part
+
+
+def _image_bytes(part: dict[str, Any]) -> bytes:
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+        raise ValueError("images in a batch job must be data: URLs with base64 content")
+    try:
+        return base64.b64decode(url.split(";base64,", 1)[1], validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"invalid base64 image data: {exc}") from exc
+
+
+async def run_one(cluster: Cluster, item: JobItem) -> dict[str, Any]:
+    """Generate one item through the cluster; every failure becomes an error line."""
+    if item.error is not None:
+        return result_line(item, error=item.error)
+    try:
+        request = cluster.make_request(to_prompt(cluster, item), item.params)
+    except (TypeError, ValueError) as exc:
+        return result_line(item, error=str(exc))
+    result = new_request_output(request)
+    try:
+        async for out in cluster.stream(request):
+            merge_output(result, out)
+    except Exception as exc:  # the cluster failed this request (e.g. an actor died)
+        return result_line(item, error=f"{type(exc).__name__}: {exc}")
+    completion = result.outputs[0]
+    return result_line(
+        item,
+        text=completion.text,
+        token_ids=completion.token_ids,
+        finish_reason=completion.finish_reason or "error",
+        num_prompt_tokens=len(request.prompt_token_ids),
+        error=completion.error,
+    )
+
+
+async def run_items(
+    cluster: Cluster,
+    items: list[JobItem],
+    writer: ResultWriter,
+    concurrency: int,
+    progress: tqdm,
+) -> None:
+    """Run `items` with at most `concurrency` requests in flight, writing each as it ends."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(item: JobItem) -> None:
+        async with limit:
+            writer.write(await run_one(cluster, item))
+            progress.update(1)
+
+    pending = iter(items)
+    tasks: set[asyncio.Task] = set()
+    try:
+        while True:  # hold at most 2 * concurrency tasks, not one per line of a huge file
+            for item in pending:
+                tasks.add(asyncio.create_task(one(item)))
+                if len(tasks) >= 2 * concurrency:
+                    break
+            if not tasks:
+                return
+            done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClusterStartError(RuntimeError):
+    """launch() failed: the job did not run."""
+
+
+# ---- command line -------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster.job",
+        description="Batch inference through a pdcluster: JSONL prompts in, JSONL results out.",
+    )
+    parser.add_argument("--config", required=True, help="topology config (YAML)")
+    parser.add_argument("--input", required=True, help="prompts, one JSON object a line")
+    parser.add_argument("--output", required=True, help="results (appended; done ids skipped)")
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join, e.g. 'auto' or host:port (default: config's ray.address, "
+        "else RAY_ADDRESS as set by `ray job submit`, else an embedded local Ray)",
+    )
+    parser.add_argument("--concurrency", type=_positive_int, default=64, help="requests in flight")
+    parser.add_argument("--max-tokens", type=_positive_int, default=256, help="default per line")
+    parser.add_argument("--temperature", type=float, default=0.0, help="default per line")
+    parser.add_argument(
+        "--retry-errors", action="store_true", help="rerun ids whose output line is an error"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def load_config(path: str, address: str | None) -> ClusterConfig:
+    """The topology config, joined to `address`, else the config's, else RAY_ADDRESS."""
+    config = ClusterConfig.from_yaml(path)
+    address = address or config.ray.address or _job_address()
+    if address == config.ray.address:
+        return config
+    return config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
+
+
+def _job_address() -> str | None:
+    """RAY_ADDRESS when it names a cluster (`ray job submit` sets it for the entrypoint);
+    an http(s) address there is a dashboard address for the job CLI, not for ray.init."""
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    return address if address and not address.startswith(("http://", "https://")) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    try:
+        SamplingParams(**defaults)
+        config = load_config(args.config, args.address)
+        with open(args.input, encoding="utf-8") as f:
+            items, num_dropped = read_items(f, defaults, sys.stderr)
+        output = Path(args.output)
+        done = read_done_ids(output, args.retry_errors)
+        writer = ResultWriter(output)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    todo = [item for item in items if item.item_id not in done]
+    try:
+        if todo:
+            _run_job(config, todo, writer, args, initial=len(items) - len(todo))
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except ClusterStartError as exc:
+        print(f"error: the cluster did not start: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        writer.close()
+    print(
+        f"{writer.num_written} written ({writer.num_errors} errors), "
+        f"{len(items) - len(todo)} already done, {num_dropped} input lines dropped -> {output}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _run_job(
+    config: ClusterConfig, todo: list[JobItem], writer: ResultWriter, args, initial: int
+) -> None:
+    from cluster.launch import launch  # imports Ray: only once there is work to do
+
+    try:
+        cluster = launch(config)
+    except Exception as exc:  # Ray unreachable, resources missing, a model that fails to load
+        raise ClusterStartError(f"{type(exc).__name__}: {exc}") from exc
+    progress = tqdm(
+        total=initial + len(todo),
+        initial=initial,
+        desc="job",
+        unit="req",
+        file=sys.stderr,
+        disable=args.no_progress,
+        mininterval=0.1 if sys.stderr.isatty() else 5.0,
+    )
+    try:
+        asyncio.run(run_items(cluster, todo, writer, args.concurrency, progress))
+    finally:
+        progress.close()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""OpenAI-compatible request bodies (pydantic, strict) and their mapping to SamplingParams.
+
+Unknown fields are rejected with a 400 naming them; fields OpenAI clients commonly send
+are accepted, and those whose non-default values we do not implement are refused clearly.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 8
+MAX_SEED = 2**63 - 1
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = Field(False, description="send a last chunk carrying usage")
+
+
+class _SamplingFields(_Body):
+    """Fields shared by both endpoints (OpenAI's, plus vLLM's top_k/min_tokens/ignore_eos)."""
+
+    model: str = Field(..., min_length=1, max_length=256, description="served model id")
+    temperature: FiniteFloat | None = Field(None, ge=0, le=100, description="default 1.0")
+    top_p: FiniteFloat | None = Field(None, gt=0, le=1, description="nucleus mass, default 1.0")
+    top_k: int | None = Field(None, ge=-1, le=1_000_000, description="0 or -1: disabled")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="per-request sampling seed")
+    stop: str | list[str] | None = Field(None, description="strings that end the output")
+    stop_token_ids: list[int] | None = Field(None, max_length=64, description="token ids")
+    min_tokens: int = Field(0, ge=0, le=1_000_000, description="tokens before EOS may stop")
+    ignore_eos: bool = Field(False, description="keep generating past EOS")
+    stream: bool = Field(False, description="server-sent events, ending with [DONE]")
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="only 1 completion per prompt is supported")
+    presence_penalty: FiniteFloat = Field(0.0, ge=0, le=0, description="not supported: 0 only")
+    frequency_penalty: FiniteFloat = Field(0.0, ge=0, le=0, description="not supported: 0 only")
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="unsupported")
+    user: str | None = Field(None, max_length=256, description="ignored")
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > 256 for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
+        return stops
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError on combinations the engine refuses."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="text, token ids, or a batch of either"
+    )
+    max_tokens: int | None = Field(16, ge=1, description="tokens to generate at most")
+    logprobs: int | None = Field(None, ge=0, le=5, description="log-probability of each token")
+    echo: bool = Field(False, le=False, description="not supported")
+    suffix: str | None = Field(None, max_length=0, description="not supported")
+    best_of: int | None = Field(None, ge=1, le=1, description="only 1")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # one prompt of token ids
+        return list(p)
+
+
+class ImageURL(_Body):
+    url: str = Field(..., min_length=1, description="data:image/...;base64,... (or allowed host)")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = Field(None, max_length=256)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=1024)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated alias")
+    max_completion_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
+    logprobs: bool = Field(False, description="return log-probabilities of sampled tokens")
+    top_logprobs: int | None = Field(None, ge=0, le=0, description="only 0 is supported")
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages for the chat template: images become {"type": "image"} parts."""
+        out = []
+        for m in self.messages:
+            content: Any = m.content
+            if isinstance(content, list):
+                content = [
+                    {"type": "text", "text": p.text}
+                    if isinstance(p, TextPart)
+                    else {"type": "image"}
+                    for p in content
+                ]
+            out.append({"role": m.role, "content": content})
+        return out
+
+    def image_urls(self) -> list[str]:
+        return [
+            p.image_url.url
+            for m in self.messages
+            if isinstance(m.content, list)
+            for p in m.content
+            if isinstance(p, ImagePart)
+        ]

@@ -1,0 +1,282 @@
+"""Instances killed mid-request (Ray restarts them): what the client sees, that survivors
+hold nothing afterwards, and that the router routes around the dead instance and uses it
+again once it is back.
+
+| killed                     | the client gets                                            |
+|----------------------------|------------------------------------------------------------|
+| D, in transfer or decoding | the tokens so far, then finish_reason "error" (P's KV is   |
+|                            | freed by the router's abort, not at the lease)             |
+| P, after the handoff       | recompute: the full, correct answer (D prefills itself);   |
+|                            | fail: P's first token, then a clean error                  |
+| P, while prefilling        | the full, correct answer: nothing was yielded yet, so the  |
+|                            | router plans the request again around the dead P (once)    |
+| E, while encoding          | the full, correct answer: P encodes the image itself       |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import ray
+
+from engine import LLM
+from engine.llm import merge_output, new_request_output
+from tests.cluster_utils import (
+    GREEDY,
+    SMALL_ENGINE,
+    assert_clean,
+    collect,
+    handle,
+    live_object_ids,
+    random_image,
+    start,
+    until,
+    wait_until,
+)
+
+LONG = dataclasses.replace(GREEDY, max_tokens=400)
+RESTART_TIMEOUT_S = 120.0  # a restarted instance loads its model again
+
+
+@pytest.fixture(scope="module")
+def model_dir(preset_dir):
+    return preset_dir("tiny-llava")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    llm = LLM(model_dir, **SMALL_ENGINE)
+    return lambda prompt, params=GREEDY: llm.generate(prompt, params)[0]
+
+
+@pytest.fixture(scope="module")
+def epd(ray_session, model_dir):
+    """Two P so that a request can be planned again around a dead one."""
+    with start(model_dir, encoder=1, prefill=2, decode=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def baseline(epd):
+    ids = live_object_ids()
+    yield ids
+    _resume_all(epd)
+    assert_clean(epd, ids)
+
+
+def _resume_all(cluster) -> None:
+    ray.get([h.resume.remote() for _, h in cluster.instances.values()])
+
+
+def mm_prompt(seed: int) -> dict:
+    return {"prompt": "Look at <image> now.", "multi_modal_data": {"image": random_image(seed)}}
+
+
+def stats_of(cluster, role: str) -> list[dict]:
+    return [s for s in cluster.stats() if s["role"] == role]
+
+
+def total(cluster, role: str, key: str) -> int:
+    return sum(s.get(key, 0) for s in stats_of(cluster, role))
+
+
+def kill(cluster, instance_id: str) -> int:
+    """Kill an instance's actor (Ray restarts it); returns the pid it had."""
+    pid = next(s["pid"] for s in cluster.stats() if s["id"] == instance_id)
+    ray.kill(cluster.instances[instance_id][1], no_restart=False)
+    return pid
+
+
+def wait_restarted(cluster, instance_id: str, old_pid: int) -> None:
+    """Until the router's health loop sees the restarted instance as healthy again."""
+
+    def back() -> bool:
+        s = next(s for s in cluster.stats() if s["id"] == instance_id)
+        return s["healthy"] and s.get("pid") not in (None, old_pid)
+
+    assert wait_until(back, RESTART_TIMEOUT_S), cluster.stats()
+
+
+def instance_with(cluster, role: str, key: str) -> str | None:
+    """The id of the instance of `role` whose stat `key` is non-zero, if any."""
+    return next((s["id"] for s in stats_of(cluster, role) if s.get(key)), None)
+
+
+def assert_error(out, *words: str) -> None:
+    assert out.finish_reason == "error"
+    error = out.outputs[0].error or ""
+    assert all(w in error for w in words), error
+
+
+# ---- D -------------------------------------------------------------------------------------
+def test_decode_killed_in_transfer(epd, baseline, reference):
+    """D dies with the request parked on it, P holding the KV for it: the client gets P's
+    token and a clean error; the router's abort frees P's blocks at once."""
+    decode_id = next(iid for iid, (role, _) in epd.instances.items() if role == "decode")
+    ray.get(handle(epd, "decode").pause.remote())
+    cancelled = total(epd, "prefill", "sends_cancelled")
+    prompt = "Parked on D when it dies"
+
+    async def scenario():
+        task = asyncio.create_task(collect(epd, epd.make_request(prompt, GREEDY)))
+        assert await until(
+            lambda: (
+                total(epd, "prefill", "num_pending_sends") == 1
+                and total(epd, "decode", "num_waiting") == 1
+            )
+        )
+        pid = kill(epd, decode_id)
+        return await task, pid
+
+    out, pid = asyncio.run(scenario())
+    assert_error(out, decode_id, "died")
+    assert out.token_ids == reference(prompt).token_ids[:1]  # P's first token
+    assert wait_until(lambda: total(epd, "prefill", "sends_cancelled") == cancelled + 1)
+    assert total(epd, "prefill", "leases_expired") == 0
+
+    # Served while D is down (colocated on P) or after its restart: correct either way.
+    assert epd.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+    wait_restarted(epd, decode_id, pid)
+    loads = total(epd, "decode", "num_loads")
+    assert epd.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+    assert total(epd, "decode", "num_loads") == loads + 1  # the restarted D decoded it
+
+
+def test_decode_killed_while_decoding(epd, baseline, reference):
+    """The client keeps the tokens it got (they are correct) and then sees a clean error."""
+    decode_id = next(iid for iid, (role, _) in epd.instances.items() if role == "decode")
+    prompt = "Decode for a long time, then lose D"
+    request = epd.make_request(prompt, LONG)
+
+    async def scenario():
+        result, pid = new_request_output(request), None
+        async for out in epd.stream(request):
+            merge_output(result, out)
+            if pid is None and len(result.token_ids) >= 3:  # D has streamed tokens
+                pid = kill(epd, decode_id)
+        return result, pid
+
+    out, pid = asyncio.run(scenario())
+    assert pid is not None, "the request finished before D could be killed"
+    assert_error(out, decode_id, "died")
+    assert 3 <= len(out.token_ids) < LONG.max_tokens
+    expected = reference(prompt, dataclasses.replace(GREEDY, max_tokens=len(out.token_ids)))
+    assert out.token_ids == expected.token_ids
+    wait_restarted(epd, decode_id, pid)
+    assert epd.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+
+
+# ---- P -------------------------------------------------------------------------------------
+def test_prefill_killed_after_handoff_recompute(epd, baseline, reference):
+    """P dies after the prefill, before D read its KV: D's read fails (the object died with
+    its owner) and, under kv_load_failure_policy=recompute, D prefills the prompt itself."""
+    decode = handle(epd, "decode")
+    ray.get(decode.pause.remote())
+    failed = total(epd, "decode", "num_failed_loads")
+    prompt = "The prefill instance dies after the handoff " * 3
+
+    async def scenario():
+        task = asyncio.create_task(collect(epd, epd.make_request(prompt, GREEDY)))
+        assert await until(
+            lambda: (
+                instance_with(epd, "prefill", "num_pending_sends") is not None
+                and total(epd, "decode", "num_waiting") == 1
+            )
+        )
+        prefill_id = instance_with(epd, "prefill", "num_pending_sends")
+        pid = kill(epd, prefill_id)
+        ray.get(decode.resume.remote())
+        return await task, prefill_id, pid
+
+    out, prefill_id, pid = asyncio.run(scenario())
+    assert out.finish_reason == "length"
+    assert out.token_ids == reference(prompt).token_ids
+    assert total(epd, "decode", "num_failed_loads") == failed + 1
+    wait_restarted(epd, prefill_id, pid)
+    assert epd.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+
+
+def test_prefill_killed_after_handoff_fail(ray_session, model_dir, reference):
+    """The same under kv_load_failure_policy=fail: P's first token, then a clean error."""
+    connector = {"kv_load_failure_policy": "fail"}
+    with start(model_dir, prefill=1, decode=1, connector=connector) as cluster:
+        baseline = live_object_ids()
+        prefill_id = next(i for i, (role, _) in cluster.instances.items() if role == "prefill")
+        decode = handle(cluster, "decode")
+        ray.get(decode.pause.remote())
+        prompt = "The prefill instance dies and D must not recompute"
+
+        async def scenario():
+            task = asyncio.create_task(collect(cluster, cluster.make_request(prompt, GREEDY)))
+            assert await until(
+                lambda: (
+                    total(cluster, "prefill", "num_pending_sends") == 1
+                    and total(cluster, "decode", "num_waiting") == 1
+                )
+            )
+            pid = kill(cluster, prefill_id)
+            ray.get(decode.resume.remote())
+            return await task, pid
+
+        out, pid = asyncio.run(scenario())
+        assert_error(out, "kv_load_failure_policy='fail'")
+        assert out.token_ids == reference(prompt).token_ids[:1]
+        assert total(cluster, "decode", "num_failed_loads") == 1
+        # P is down (D serves colocated) or back: a later request is correct either way.
+        assert cluster.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+        wait_restarted(cluster, prefill_id, pid)
+        sends = total(cluster, "prefill", "num_sends")
+        assert cluster.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+        assert total(cluster, "prefill", "num_sends") == sends + 1  # the restarted P served
+        assert_clean(cluster, baseline)
+
+
+def test_prefill_killed_while_prefilling(epd, baseline, reference):
+    """Nothing reached the client yet: the router plans the request again around the dead
+    P, and the other P serves it."""
+    prefills = [h for role, h in epd.instances.values() if role == "prefill"]
+    ray.get([h.pause.remote() for h in prefills])
+    prompt = "The prefill instance dies before it prefills this"
+
+    async def scenario():
+        task = asyncio.create_task(collect(epd, epd.make_request(prompt, GREEDY)))
+        assert await until(lambda: instance_with(epd, "prefill", "num_waiting") is not None)
+        prefill_id = instance_with(epd, "prefill", "num_waiting")
+        pid = kill(epd, prefill_id)
+        _resume_all(epd)
+        return await task, prefill_id, pid
+
+    sends = {s["id"]: s["num_sends"] for s in stats_of(epd, "prefill")}
+    out, prefill_id, pid = asyncio.run(scenario())
+    assert out.finish_reason == "length"
+    assert out.token_ids == reference(prompt).token_ids
+    survivor = next(i for i in sends if i != prefill_id)
+    after = {s["id"]: s["num_sends"] for s in stats_of(epd, "prefill")}
+    assert after[survivor] == sends[survivor] + 1  # routed around the dead P
+    wait_restarted(epd, prefill_id, pid)
+    assert epd.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+
+
+# ---- E -------------------------------------------------------------------------------------
+def test_encoder_killed_while_encoding(epd, baseline, reference):
+    """P never defers forever on a dead E: the EC handle fails and P encodes locally."""
+    encoder_id = next(iid for iid, (role, _) in epd.instances.items() if role == "encoder")
+    ray.get(handle(epd, "encoder").pause.remote())
+    fallbacks = total(epd, "prefill", "ec_fallbacks")
+
+    async def scenario():
+        task = asyncio.create_task(collect(epd, epd.make_request(mm_prompt(21), GREEDY)))
+        assert await until(lambda: total(epd, "prefill", "num_deferred") == 1)
+        pid = kill(epd, encoder_id)
+        return await task, pid
+
+    out, pid = asyncio.run(scenario())
+    assert out.finish_reason == "length"
+    assert out.token_ids == reference(mm_prompt(21)).token_ids
+    assert total(epd, "prefill", "ec_fallbacks") == fallbacks + 1
+    wait_restarted(epd, encoder_id, pid)
+    loaded = total(epd, "prefill", "ec_loaded")
+    assert epd.generate(mm_prompt(22), GREEDY)[0].token_ids == reference(mm_prompt(22)).token_ids
+    assert total(epd, "prefill", "ec_loaded") == loaded + 1  # the restarted E encoded it

@@ -1,0 +1,175 @@
+"""ClusterConfig: YAML topologies, strict validation and per-role engine configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from cluster.config import ClusterConfig
+
+RAY_CONFIGS = Path(__file__).resolve().parent.parent / "ray_configs"
+TOPOLOGIES = {
+    "kuberay-1e1p1d.yaml": "1E1P1D",
+    "local-1e1p1d.yaml": "1E1P1D",
+    "local-1p1d.yaml": "1P1D",
+    "local-mixed.yaml": "2mixed",
+}
+
+
+def make_config(**fields) -> ClusterConfig:
+    """A 1P1D config with `fields` (nested dicts, as in YAML) on top."""
+    return ClusterConfig.model_validate({"prefill": {"count": 1}, "decode": {"count": 1}, **fields})
+
+
+def assert_rejected(match: str, **fields) -> None:
+    with pytest.raises(ValidationError, match=match):
+        make_config(**fields)
+
+
+def write_yaml(tmp_path: Path, data) -> Path:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+# ---- shipped topologies ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted(RAY_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    if {"cluster_name", "provider"} <= set(yaml.safe_load(path.read_text()) or {}):
+        pytest.skip("a Ray cluster-launcher config, not a topology")
+    if path.name not in TOPOLOGIES:
+        pytest.fail(f"{path.name}: add its expected topology to TOPOLOGIES")
+    config = ClusterConfig.from_yaml(path)
+    assert config.topology_name() == TOPOLOGIES[path.name]
+    assert config.gateway.host == "127.0.0.1"
+
+
+def test_topology_name_lists_roles_in_e_p_d_mixed_order():
+    config = make_config(encoder={"count": 2}, decode={"count": 3}, mixed={"count": 1})
+    assert config.topology_name() == "2E1P3D1mixed"
+
+
+# ---- strictness --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ({"modle": "preset:tiny-llava"}, "modle"),
+        ({"engine": {"blok_size": 16}}, "engine.blok_size"),
+        ({"mixed": {"count": 1, "gpus": 1}}, "mixed.gpus"),
+        ({"gateway": {"hostname": "0.0.0.0"}}, "gateway.hostname"),
+        ({"prefill": {"count": 1, "engine": {"num_block": 8}}}, "prefill.engine.num_block"),
+    ],
+)
+def test_unknown_key_is_rejected_by_name(fields, key):
+    with pytest.raises(ValidationError) as info:
+        make_config(**fields)
+    message = str(info.value)
+    assert key in message and "Extra inputs are not permitted" in message
+
+
+def test_unknown_key_in_yaml_is_rejected(tmp_path):
+    path = write_yaml(tmp_path, {"mixed": {"count": 1}, "conector": {}})
+    with pytest.raises(ValidationError, match="conector"):
+        ClusterConfig.from_yaml(path)
+
+
+def test_yaml_that_is_not_a_mapping_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="YAML mapping"):
+        ClusterConfig.from_yaml(write_yaml(tmp_path, ["mixed", 2]))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prefill": {"count": 0}, "decode": {"count": 0}},
+        {"prefill": {"count": 0}, "decode": {"count": 0}, "encoder": {"count": 1}},
+    ],
+    ids=["nothing", "encoder-only"],
+)
+def test_topology_without_serving_instance_is_rejected(fields):
+    assert_rejected("at least one prefill, decode or mixed instance", **fields)
+
+
+def test_empty_yaml_is_rejected(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("", encoding="utf-8")
+    with pytest.raises(ValidationError, match="at least one"):
+        ClusterConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize("setting", ["block_size", "max_model_len"])
+def test_prefill_decode_mismatch_is_rejected(setting):
+    assert_rejected(
+        f"same {setting}", prefill={"count": 1, "engine": {setting: 32}}, decode={"count": 1}
+    )
+
+
+def test_matching_overrides_on_prefill_and_decode_are_accepted():
+    same = {"engine": {"block_size": 32, "max_model_len": 4096}}
+    config = make_config(prefill={"count": 1, **same}, decode={"count": 1, **same})
+    assert config.engine_settings("decode").block_size == 32
+
+
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ({"decode": {"count": -1}}, "decode.count"),
+        ({"engine": {"num_blocks": 0}}, "engine.num_blocks"),
+        ({"engine": {"block_size": 0}}, "engine.block_size"),
+        ({"engine": {"max_num_seqs": -4}}, "engine.max_num_seqs"),
+        ({"prefill": {"count": 1, "num_cpus": -1}}, "prefill.num_cpus"),
+        ({"decode": {"count": 1, "engine": {"max_num_seqs": 0}}}, "decode.engine.max_num_seqs"),
+        ({"engine": {"dtype": "int8"}}, "engine.dtype"),
+        ({"mixed": {"count": 1, "engine": {"dtype": "fp8"}}}, "mixed.engine.dtype"),
+        ({"connector": {"kv_lease_s": 0}}, "connector.kv_lease_s"),
+        ({"connector": {"kv_load_failure_policy": "retry"}}, "kv_load_failure_policy"),
+    ],
+)
+def test_invalid_value_is_rejected_where_it_is(fields, where):
+    assert_rejected(where, **fields)
+
+
+# ---- engine configs ----------------------------------------------------------------------
+
+
+def test_role_engine_overrides_apply_to_that_role_only():
+    config = make_config(
+        engine={"num_blocks": 256, "max_num_seqs": 32},
+        prefill={"count": 1, "engine": {"num_blocks": 64, "dtype": "float16"}},
+    )
+    prefill = config.engine_config("prefill", "/models/m")
+    decode = config.engine_config("decode", "/models/m")
+    assert prefill.model == decode.model == "/models/m"
+    assert (prefill.cache.num_blocks, prefill.dtype) == (64, "float16")
+    assert (decode.cache.num_blocks, decode.dtype) == (256, "auto")
+    assert prefill.scheduler.max_num_seqs == decode.scheduler.max_num_seqs == 32
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_kv_load_failure_policy_reaches_the_scheduler(policy):
+    config = make_config(connector={"kv_load_failure_policy": policy})
+    for role in ("prefill", "decode"):
+        assert config.engine_config(role, "m").scheduler.kv_load_failure_policy == policy
+
+
+def test_default_kv_load_failure_policy_is_recompute():
+    assert make_config().engine_config("decode", "m").scheduler.kv_load_failure_policy == (
+        "recompute"
+    )
+
+
+# ---- gateway -----------------------------------------------------------------------------
+
+
+def test_gateway_binds_loopback_and_needs_no_key_by_default():
+    gateway = make_config().gateway
+    assert gateway.host == "127.0.0.1"
+    assert gateway.api_key is None
+    assert gateway.allowed_image_hosts == []  # remote image URLs are refused

@@ -1,0 +1,341 @@
+"""Deployment artefacts: KubeRay manifests, cluster-launcher config, Grafana dashboard.
+
+No Ray, no network. Each manifest under deploy/ must validate against KubeRay's CRD schema
+(what `kubectl apply` checks), name code that exists, and pin every role of
+ray_configs/kuberay-1e1p1d.yaml to a worker group that declares the role's resources.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib.util
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from cluster.config import ClusterConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CRD_DIR = REPO.parent / "shared" / "kuberay-crds"
+DEPLOY = REPO / "deploy"
+CONFIG = REPO / "ray_configs" / "kuberay-1e1p1d.yaml"
+LAUNCHER = REPO / "ray_configs" / "cluster-launcher.yaml"
+DASHBOARD = DEPLOY / "grafana-dashboard.json"
+IMAGE_PROJECT_DIR = "/home/ray/pdcluster"  # deploy/Dockerfile's WORKDIR: the repo root in pods
+SERVE_IMPORT_PATH = "cluster.serve_app:build_app"
+JOB_MODULE = "cluster.job"
+MANIFESTS = {
+    "raycluster.yaml": "RayCluster",
+    "rayservice.yaml": "RayService",
+    "rayjob.yaml": "RayJob",
+}
+ROLE_RESOURCE = {
+    "encoder": "pdcluster_encoder",
+    "prefill": "pdcluster_prefill",
+    "decode": "pdcluster_decode",
+}
+GPU_ROLES = ("prefill", "decode")
+
+HISTOGRAMS = {
+    "pdcluster_ttft_seconds",
+    "pdcluster_inter_token_latency_seconds",
+    "pdcluster_e2e_latency_seconds",
+    "pdcluster_kv_transfer_latency_seconds",
+}
+COUNTERS = {
+    "pdcluster_requests_total",
+    "pdcluster_generated_tokens_total",
+    "pdcluster_prompt_tokens_total",
+    "pdcluster_kv_transfer_bytes_total",
+    "pdcluster_ec_transfer_bytes_total",
+    "pdcluster_kv_leases_expired_total",
+}
+GAUGES = {
+    "pdcluster_kv_usage_ratio",
+    "pdcluster_num_running",
+    "pdcluster_num_waiting",
+    "pdcluster_num_deferred",
+    "pdcluster_num_pending_transfers",
+}
+GATEWAY_METRICS = HISTOGRAMS | COUNTERS | GAUGES
+
+
+# ---- helpers -----------------------------------------------------------------------------
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def structural_to_jsonschema(node: Any) -> Any:
+    """A Kubernetes structural schema as plain JSON Schema.
+
+    `x-kubernetes-*` keys are annotations, except: int-or-string accepts either type, and
+    preserve-unknown-fields accepts any field. Elsewhere unknown fields are rejected, as
+    `kubectl apply` does (strict field validation); `nullable` also accepts null.
+    """
+    if isinstance(node, list):
+        return [structural_to_jsonschema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("x-kubernetes-int-or-string"):
+        return {"anyOf": [{"type": "integer"}, {"type": "string"}]}
+    preserve = bool(node.get("x-kubernetes-preserve-unknown-fields"))
+    out = {}
+    for key, value in node.items():
+        if key.startswith("x-kubernetes-") or key == "nullable":
+            continue
+        if key in ("properties", "patternProperties"):
+            out[key] = {name: structural_to_jsonschema(sub) for name, sub in value.items()}
+        else:
+            out[key] = structural_to_jsonschema(value)
+    if node.get("nullable") and isinstance(out.get("type"), str):
+        out["type"] = [out["type"], "null"]
+    if "properties" in out and "additionalProperties" not in out and not preserve:
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_schema(kind: str) -> dict:
+    for path in sorted(CRD_DIR.glob("*.yaml")):
+        crd = load_yaml(path)
+        if crd.get("kind") == "CustomResourceDefinition" and crd["spec"]["names"]["kind"] == kind:
+            (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+            return structural_to_jsonschema(version["schema"]["openAPIV3Schema"])
+    raise AssertionError(f"no CRD of kind {kind} in {CRD_DIR}")
+
+
+def manifest(name: str) -> dict:
+    return load_yaml(DEPLOY / name)
+
+
+def cluster_spec(doc: dict) -> dict:
+    """The RayCluster spec of a RayCluster, RayService or RayJob."""
+    key = {"RayCluster": None, "RayService": "rayClusterConfig", "RayJob": "rayClusterSpec"}
+    return doc["spec"] if key[doc["kind"]] is None else doc["spec"][key[doc["kind"]]]
+
+
+def parse_ray_resources(value: str) -> dict[str, float]:
+    """rayStartParams.resources: JSON, shell-quoted (KubeRay splices it into `ray start`)."""
+    (unquoted,) = shlex.split(value)
+    return {k: float(v) for k, v in json.loads(unquoted).items()}
+
+
+def quantity(value: Any) -> float:
+    """A Kubernetes quantity of CPUs or GPUs ("8", 8, "500m")."""
+    text = str(value)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def containers(group: dict) -> list[dict]:
+    return group["template"]["spec"]["containers"]
+
+
+def repo_path(image_path: str) -> Path:
+    """A path in the image (IMAGE_PROJECT_DIR/...) or relative to it, as a repo path."""
+    path = Path(image_path)
+    if path.is_absolute():
+        assert path.is_relative_to(IMAGE_PROJECT_DIR), f"{image_path} is outside the project"
+        path = path.relative_to(IMAGE_PROJECT_DIR)
+    return REPO / path
+
+
+def module_file(module: str) -> Path:
+    return REPO.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def defines_function(path: Path, name: str) -> bool:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return any(isinstance(node, kinds) and node.name == name for node in tree.body)
+
+
+@pytest.fixture(scope="module")
+def config() -> ClusterConfig:
+    return ClusterConfig.from_yaml(CONFIG)
+
+
+@pytest.fixture(scope="module", params=sorted(MANIFESTS))
+def doc(request: pytest.FixtureRequest) -> dict:
+    return manifest(request.param)
+
+
+# ---- CRD schemas -------------------------------------------------------------------------
+def test_structural_schema_conversion() -> None:
+    schema = structural_to_jsonschema(
+        {
+            "type": "object",
+            "properties": {
+                "port": {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}]},
+                "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                "maybe": {"type": "string", "nullable": True},
+            },
+        }
+    )
+    validator = jsonschema.Draft7Validator(schema)
+    assert validator.is_valid({"port": 8000, "free": {"a": 1}, "maybe": None})
+    assert validator.is_valid({"port": "serve"})
+    assert not validator.is_valid({"prot": 8000})  # a typo is an unknown field
+
+
+@pytest.mark.skipif(not CRD_DIR.is_dir(), reason=f"KubeRay CRD schemas not found at {CRD_DIR}")
+@pytest.mark.parametrize("name", sorted(MANIFESTS))
+def test_manifest_validates_against_crd(name: str) -> None:
+    doc = manifest(name)
+    assert doc["apiVersion"] == "ray.io/v1"
+    assert doc["kind"] == MANIFESTS[name]
+    validator = jsonschema.Draft7Validator(crd_schema(doc["kind"]))
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)
+    ]
+    assert not errors, "\n".join(errors)
+
+
+def test_crd_validation_catches_a_broken_manifest() -> None:
+    if not CRD_DIR.is_dir():
+        pytest.skip(f"KubeRay CRD schemas not found at {CRD_DIR}")
+    doc = copy.deepcopy(manifest("raycluster.yaml"))
+    doc["spec"]["workerGroupSpecs"][0]["replica"] = 1  # misspelt
+    del doc["spec"]["workerGroupSpecs"][1]["maxReplicas"]
+    assert not jsonschema.Draft7Validator(crd_schema("RayCluster")).is_valid(doc)
+
+
+# ---- cluster shape -----------------------------------------------------------------------
+def test_head_runs_no_actors_and_stays_private(doc: dict) -> None:
+    head = cluster_spec(doc)["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert "resources" not in head["rayStartParams"]
+    assert head.get("serviceType", "ClusterIP") == "ClusterIP"
+    assert not head.get("enableIngress", False)
+    assert not any("nvidia.com/gpu" in c["resources"].get("limits", {}) for c in containers(head))
+
+
+def test_worker_groups_pin_the_config_roles(doc: dict, config: ClusterConfig) -> None:
+    groups = {g["groupName"]: g for g in cluster_spec(doc)["workerGroupSpecs"]}
+    declared = {
+        name: parse_ray_resources(g["rayStartParams"].get("resources", '"{}"'))
+        for name, g in groups.items()
+    }
+    for role, resource in ROLE_RESOURCE.items():
+        # Only the role's own group declares its resource, so nothing else lands there.
+        assert [name for name, res in declared.items() if resource in res] == [role]
+        spec = config.role(role)
+        assert spec.count >= 1 and spec.resources == {resource: 1.0}
+        group, (container,) = groups[role], containers(groups[role])
+        per_pod = declared[role][resource] // spec.resources[resource]
+        assert group["replicas"] * per_pod >= spec.count, f"{role}: too few pods"
+        limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+        assert quantity(limits["cpu"]) >= spec.num_cpus * per_pod
+        gpus = quantity(limits.get("nvidia.com/gpu", 0))
+        assert gpus >= spec.num_gpus * per_pod
+        if role in GPU_ROLES:
+            assert spec.num_gpus >= 1 and gpus >= 1
+            assert requests["nvidia.com/gpu"] == limits["nvidia.com/gpu"]
+
+
+def test_manifests_agree(config: ClusterConfig) -> None:
+    docs = [manifest(name) for name in sorted(MANIFESTS)]
+    specs = [cluster_spec(d) for d in docs]
+    assert len({s["rayVersion"] for s in specs}) == 1
+    pods = [s["headGroupSpec"] for s in specs] + [g for s in specs for g in s["workerGroupSpecs"]]
+    images = {c["image"] for pod in pods for c in containers(pod)}
+    assert len(images) == 1, images
+    assert {c.get("workingDir") for pod in pods for c in containers(pod)} == {IMAGE_PROJECT_DIR}
+    assert config.ray.address == "auto"
+
+
+def test_dockerfile_installs_the_project_where_manifests_expect_it() -> None:
+    text = (DEPLOY / "Dockerfile").read_text(encoding="utf-8")
+    assert re.search(rf"^WORKDIR {re.escape(IMAGE_PROJECT_DIR)}$", text, re.M)
+    ray_version = re.search(r"^ARG RAY_VERSION=(\S+)$", text, re.M).group(1)
+    assert ray_version == cluster_spec(manifest("raycluster.yaml"))["rayVersion"]
+    assert re.search(r"^ARG TORCH=torch==\S+$", text, re.M), "torch must be pinned"
+    assert "ray_configs/" in text and "pip install" in text
+
+
+# ---- entrypoints -------------------------------------------------------------------------
+def test_rayservice_serves_the_app_builder() -> None:
+    serve_config = yaml.safe_load(manifest("rayservice.yaml")["spec"]["serveConfigV2"])
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == SERVE_IMPORT_PATH
+    assert ClusterConfig.from_yaml(repo_path(app["args"]["config"])).topology_name() == "1E1P1D"
+    module, attr = SERVE_IMPORT_PATH.split(":")
+    path = module_file(module)
+    assert path.is_file(), f"{SERVE_IMPORT_PATH}: {path.relative_to(REPO)} does not exist"
+    assert defines_function(path, attr), f"{path.relative_to(REPO)} defines no {attr}()"
+
+
+def test_rayjob_runs_the_batch_entrypoint() -> None:
+    argv = shlex.split(manifest("rayjob.yaml")["spec"]["entrypoint"])
+    assert argv[:3] == ["python", "-m", JOB_MODULE]
+    assert importlib.util.find_spec(JOB_MODULE) is not None, f"no module {JOB_MODULE}"
+    options = dict(zip(argv[3::2], argv[4::2]))
+    assert set(options) == {"--config", "--input", "--output"}
+    assert ClusterConfig.from_yaml(repo_path(options["--config"])).topology_name() == "1E1P1D"
+
+
+# ---- cluster launcher --------------------------------------------------------------------
+def test_cluster_launcher_node_types_pin_the_roles(config: ClusterConfig) -> None:
+    launcher = load_yaml(LAUNCHER)
+    node_types = launcher["available_node_types"]
+    head = node_types[launcher["head_node_type"]]
+    assert head["resources"].get("CPU") == 0
+    for role, resource in ROLE_RESOURCE.items():
+        owners = [name for name, t in node_types.items() if resource in t.get("resources", {})]
+        assert owners == [role]
+        resources, spec = node_types[role]["resources"], config.role(role)
+        per_node = resources[resource] // spec.resources[resource]
+        assert node_types[role].get("max_workers", 0) * per_node >= spec.count
+        assert resources.get("GPU", 0) >= spec.num_gpus * per_node
+        assert resources.get("CPU", 0) >= spec.num_cpus * per_node
+
+
+def test_cluster_launcher_matches_rays_schema() -> None:
+    spec = importlib.util.find_spec("ray")  # locates the package; imports nothing
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("ray is not installed: its cluster-launcher schema is unavailable")
+    schema_path = Path(spec.submodule_search_locations[0]) / "autoscaler" / "ray-schema.json"
+    if not schema_path.is_file():
+        pytest.skip(f"no cluster-launcher schema at {schema_path}")
+    schema = json.loads(schema_path.read_text(encoding="utf-8"))
+    jsonschema.Draft7Validator(schema).validate(load_yaml(LAUNCHER))
+
+
+# ---- Grafana -----------------------------------------------------------------------------
+def dashboard_exprs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        found = [node["expr"]] if isinstance(node.get("expr"), str) else []
+        query = node.get("query")
+        if isinstance(query, str) and "label_values" in query:
+            found.append(query)
+        return found + [e for key, v in node.items() if key != "expr" for e in dashboard_exprs(v)]
+    if isinstance(node, list):
+        return [e for item in node for e in dashboard_exprs(item)]
+    return []
+
+
+def series_metric(name: str) -> str:
+    """The exported metric behind a series name (histograms add _bucket/_sum/_count)."""
+    for suffix in ("_bucket", "_sum", "_count"):
+        if name.endswith(suffix) and name.removesuffix(suffix) in HISTOGRAMS:
+            return name.removesuffix(suffix)
+    return name
+
+
+def test_grafana_dashboard_queries_only_gateway_metrics() -> None:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    exprs = dashboard_exprs(dashboard)
+    assert exprs, "the dashboard has no queries"
+    used = {series_metric(m) for e in exprs for m in re.findall(r"\bpdcluster_\w+", e)}
+    assert used <= GATEWAY_METRICS, f"unknown metrics: {sorted(used - GATEWAY_METRICS)}"
+    assert used == GATEWAY_METRICS, f"metrics without a panel: {sorted(GATEWAY_METRICS - used)}"
+    for metric in ("pdcluster_ttft_seconds", "pdcluster_inter_token_latency_seconds"):
+        for q in ("0.5", "0.9", "0.99"):
+            assert any(f"histogram_quantile({q}," in e and f"{metric}_bucket" in e for e in exprs)
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
