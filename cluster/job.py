@@ -173,22 +173,30 @@ def read_done_ids(path: Path, retry_errors: bool = False) -> set[ItemId]:
         return set()
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
+    if _parse_result(data[len(complete) :]):  # a whole last line, only its newline missing
+        complete = data + b"\n"
+    lines = complete.splitlines(keepends=True)
     kept: list[bytes] = []
     done: set[ItemId] = set()
-    for raw in complete.splitlines(keepends=True):
-        try:
-            result = json.loads(raw)
-        except ValueError:
-            result = None
-        if not isinstance(result, dict) or "id" not in result:
-            continue  # unreadable line: its id (if any) runs again
+    for raw in lines:
+        result = _parse_result(raw)
+        if result is None:
+            continue  # an unreadable line: its id, if any, runs again
         if retry_errors and result.get("finish_reason") == "error":
             continue
         kept.append(raw)
         done.add(result["id"])
-    if len(complete) != len(data) or (retry_errors and len(kept) != len(complete.splitlines())):
+    if complete != data or (retry_errors and len(kept) != len(lines)):
         _replace(path, b"".join(kept) if retry_errors else complete)
     return done
+
+
+def _parse_result(raw: bytes) -> dict[str, Any] | None:
+    try:
+        result = json.loads(raw)
+    except ValueError:
+        return None
+    return result if isinstance(result, dict) and "id" in result else None
 
 
 def _replace(path: Path, content: bytes) -> None:
@@ -417,12 +425,19 @@ def main(argv: list[str] | None = None) -> int:
 def _run_job(
     config: ClusterConfig, todo: list[JobItem], writer: ResultWriter, args, initial: int
 ) -> None:
-    from cluster.launch import launch  # imports Ray: only once there is work to do
+    import ray
+
+    from cluster.launch import launch  # Ray is imported only once there is work to do
 
     try:
         cluster = launch(config)
     except Exception as exc:  # Ray unreachable, resources missing, a model that fails to load
         raise ClusterStartError(f"{type(exc).__name__}: {exc}") from exc
+    print(
+        f"pdcluster {config.topology_name()} is up on the Ray cluster at "
+        f"{ray.get_runtime_context().gcs_address}; {len(todo)} requests to run",
+        file=sys.stderr,
+    )
     progress = tqdm(
         total=initial + len(todo),
         initial=initial,

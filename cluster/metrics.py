@@ -7,7 +7,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS_S = (
@@ -53,10 +58,6 @@ _COUNTERS: dict[str, tuple[str, Callable[[dict[str, Any]], float]]] = {
         lambda s: s.get("leases_expired", 0),
     ),
     "pdcluster_kv_transfers": ("KV loads completed", lambda s: s.get("num_loads", 0)),
-    "pdcluster_kv_transfer_latency_seconds_sum": (
-        "Total KV load time (seconds)",
-        lambda s: (s.get("mean_transfer_ms") or 0.0) * s.get("num_loads", 0) / 1e3,
-    ),
 }
 
 
@@ -78,6 +79,25 @@ class _InstanceCollector(Collector):
             for s in self.snapshot:
                 family.add_metric([str(s.get("id")), str(s.get("role"))], float(fn(s)))
             yield family
+        yield self._transfer_latency(labels)
+
+    def _transfer_latency(self, labels: list[str]) -> HistogramMetricFamily:
+        """KV load latency on each decode instance, from its connector's histogram."""
+        family = HistogramMetricFamily(
+            "pdcluster_kv_transfer_latency_seconds",
+            "KV load latency on the consumer (start of load to copied into blocks)",
+            labels=labels,
+        )
+        for s in self.snapshot:
+            h = s.get("transfer_ms_histogram")
+            if not h:
+                continue
+            buckets = [(str(ms / 1e3), float(n)) for ms, n in zip(h["buckets_ms"], h["counts"])]
+            buckets.append(("+Inf", float(h["count"])))
+            family.add_metric(
+                [str(s.get("id")), str(s.get("role"))], buckets, sum_value=h["sum_ms"] / 1e3
+            )
+        return family
 
 
 class GatewayMetrics:

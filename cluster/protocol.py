@@ -82,10 +82,10 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
+        if not p or (isinstance(p, list) and any(not x for x in p)):
+            raise ValueError("prompt must not be empty")
         if isinstance(p, str):
             return [p]
-        if not p:
-            raise ValueError("prompt must not be empty")
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # one prompt of token ids
         return list(p)

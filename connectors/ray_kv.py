@@ -482,6 +482,7 @@ class RayKVConnector(KVConnectorBase):
             "num_pending_recvs": len(self._inflight) + len(self._new_loads),
             "last_transfer_ms": self._load_ms.last,
             "mean_transfer_ms": self._load_ms.mean,
+            "transfer_ms_histogram": self._load_ms.histogram(),
             "last_publish_ms": self._publish_ms.last,
             "mean_publish_ms": self._publish_ms.mean,
         }
@@ -558,15 +559,30 @@ def _without_refs(params: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 class _Latency:
-    """Last and mean of a stream of durations, in constant space."""
+    """Last, mean and a cumulative histogram of a stream of durations, in constant space."""
+
+    BUCKETS_MS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 
     def __init__(self) -> None:
         self.last: float | None = None
         self._total, self._count = 0.0, 0
+        self._bucket_counts = [0] * len(self.BUCKETS_MS)
 
     def add(self, ms: float) -> None:
         self.last, self._total, self._count = ms, self._total + ms, self._count + 1
+        for i, upper in enumerate(self.BUCKETS_MS):
+            if ms <= upper:
+                self._bucket_counts[i] += 1
 
     @property
     def mean(self) -> float | None:
         return self._total / self._count if self._count else None
+
+    def histogram(self) -> dict[str, Any]:
+        """Cumulative counts per upper bound (ms), plus sum and count: Prometheus' shape."""
+        return {
+            "buckets_ms": list(self.BUCKETS_MS),
+            "counts": list(self._bucket_counts),
+            "sum_ms": self._total,
+            "count": self._count,
+        }

@@ -63,7 +63,17 @@ def baseline(epd):
     ids = live_object_ids()
     yield ids
     _resume_all(epd)
-    assert_clean(epd, ids)
+    try:
+        assert_clean(epd, ids)
+    except AssertionError:
+        from ray.util.state import list_actors
+
+        for a in list_actors():
+            print("ACTOR", a.actor_id, a.name, a.pid, a.state)
+        from ray._private.internal_api import memory_summary
+
+        print(memory_summary(ray.get_runtime_context().gcs_address, line_wrap=False))
+        raise
 
 
 def _resume_all(cluster) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -130,6 +131,10 @@ def test_done_ids_tolerate_a_partial_last_line(tmp_path):
     assert read_results(out) == good  # the partial line is gone, so appends stay valid
     assert job.read_done_ids(out, retry_errors=True) == {"a"}
     assert read_results(out) == good[:1]
+    with out.open("a") as f:  # a whole line, only its newline missing: kept
+        f.write(json.dumps(good[1]))
+    assert job.read_done_ids(out) == {"a", 2}
+    assert out.read_text().endswith("\n") and read_results(out) == good
 
 
 def test_config_and_io_errors_exit_2(tmp_path, capsys):
@@ -235,11 +240,11 @@ def test_ray_job_submit_end_to_end(preset_dir, tmp_path):
         RAY_USAGE_STATS_ENABLED="0",
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     )
-    dashboard_port = free_port()
+    gcs_port, dashboard_port = free_port(), free_port()
     dashboard = f"http://127.0.0.1:{dashboard_port}"
     temp_dir = tempfile.mkdtemp(prefix="pdc-ray-")  # short: Ray's socket paths must fit
     head = subprocess.Popen(
-        [ray_bin, "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=4"]
+        [ray_bin, "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=4"]
         + ["--node-ip-address=127.0.0.1", "--include-dashboard=true"]
         + ["--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
         + [
@@ -259,7 +264,7 @@ def test_ray_job_submit_end_to_end(preset_dir, tmp_path):
         entrypoint += ["--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--no-progress"]
         submit = subprocess.run(
             [ray_bin, "job", "submit", "--address", dashboard, "--working-dir", str(REPO_ROOT)]
-            + ["--runtime-env-json", json.dumps({"excludes": [".git"]}), "--", *entrypoint],
+            + ["--", *entrypoint],  # .venv and .git are never uploaded (.gitignore, defaults)
             env=env,
             capture_output=True,
             text=True,
@@ -268,8 +273,11 @@ def test_ray_job_submit_end_to_end(preset_dir, tmp_path):
         logs = submit.stdout[-4000:] + submit.stderr[-4000:]
         assert submit.returncode == 0, logs
         assert "succeeded" in submit.stdout, logs
+        # The job joined this cluster (RAY_ADDRESS) rather than starting an embedded Ray.
+        assert f":{gcs_port}; 2 requests to run" in submit.stdout, logs
     finally:
         stop_cluster(head)
+        shutil.rmtree(temp_dir, ignore_errors=True)
     llm = LLM(model_dir, **SMALL_ENGINE)
     by_id = {r["id"]: r for r in read_results(out)}
     assert set(by_id) == {line["id"] for line in FIRST[:2]}

@@ -1,0 +1,253 @@
+"""The OpenAI-compatible gateway, driven by real clients over loopback HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from cluster.config import GatewaySettings
+from cluster.gateway import create_app
+from cluster.serve import gateway_app
+from engine import LLM, SamplingParams
+from tests.cluster_utils import SMALL_ENGINE, assert_clean, live_object_ids, random_image, start
+from tests.gateway_utils import data_url, running
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny-llava"
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(preset_dir):
+    return preset_dir("tiny-llava")
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, model_dir):
+    gateway = {"served_model_name": MODEL}
+    with start(model_dir, encoder=1, prefill=1, decode=1, gateway=gateway) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def base_url(cluster):
+    with running(gateway_app(cluster)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    llm = LLM(model_dir, **SMALL_ENGINE)
+
+    def generate(prompt, max_tokens: int) -> str:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return llm.generate(prompt, params)[0].text
+
+    return generate
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_matches_offline_engine(client, reference):
+    out = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=12, temperature=0, extra_body=NO_EOS
+    )
+    assert out.choices[0].text == reference("Hello there", 12)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens > 0
+
+
+def test_completion_batch_and_token_prompt(client, reference):
+    out = client.completions.create(
+        model=MODEL, prompt=["one", "two three"], max_tokens=5, temperature=0, extra_body=NO_EOS
+    )
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [
+        reference("one", 5),
+        reference("two three", 5),
+    ]
+    ids = client.completions.create(model=MODEL, prompt=[9, 10, 11], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+
+
+def test_completion_streaming(client, reference):
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Stream me",
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=NO_EOS,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == reference("Stream me", 10)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_and_logprobs(client, cluster):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+        extra_body=NO_EOS,
+    )  # fmt: skip
+    choice = out.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert len(choice.logprobs.content) == 6
+    assert all(lp.logprob <= 0 for lp in choice.logprobs.content)
+    expected = cluster.tokenizer.encode_chat(messages)
+    assert out.usage.prompt_tokens == len(expected)
+
+
+def test_chat_streaming_with_image(client, model_dir, reference, cluster):
+    image = random_image(5, (48, 36))
+    content = [
+        {"type": "text", "text": "What is in "},
+        {"type": "image_url", "image_url": {"url": data_url(image)}},
+    ]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        extra_body=NO_EOS,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    template = [
+        {"role": "user", "content": [{"type": "text", "text": "What is in "}, {"type": "image"}]}
+    ]
+    ids = cluster.tokenizer.encode_chat(template)
+    assert text == reference({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, 8)
+    jpeg = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image.convert("RGB"), "JPEG")}}]}],
+        max_tokens=3,
+    )  # fmt: skip
+    assert jpeg.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"model": MODEL, "prompt": ""}, 400, "empty"),
+        ({"model": MODEL, "prompt": 5}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "context length"),
+        ({"model": MODEL, "prompt": "x " * 3000}, 400, "context length"),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"model": MODEL, "prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
+        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+        ({"prompt": "x"}, 400, "model"),
+    ],
+)
+def test_completion_errors_are_openai_shaped_4xx(base_url, body, status, needle):
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert needle in error["message"] and error["type"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b'{"model": "tiny-llava", "prompt": "x", "temperature": NaN}', "NaN"),
+        (b"\xff\xfe garbage", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b"[" * 100_000 + b"]" * 100_000, "JSON"),
+    ],
+)
+def test_malformed_bodies(base_url, raw, needle):
+    response = httpx.post(
+        f"{base_url}/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert needle in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("data:image/png;base64,!!!notbase64", "base64"),
+        ("data:image/png;base64,aGVsbG8=", "not a valid image"),
+        ("http://example.com/cat.png", "allow-listed"),
+        ("file:///etc/passwd", "allow-listed"),
+    ],
+)
+def test_bad_images_are_refused(base_url, url, needle):
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+        ],
+    }
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert needle in response.json()["error"]["message"]
+
+
+def test_disconnect_mid_stream_aborts_everywhere(base_url, cluster):
+    baseline = live_object_ids()
+    body = {"model": MODEL, "prompt": "go on", "max_tokens": 400, "stream": True, **NO_EOS}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        received = [line for _, line in zip(range(6), lines) if line.startswith("data:")]
+    assert received  # the client saw tokens, then went away
+    assert_clean(cluster, baseline)
+
+
+def test_cluster_health_and_metrics(base_url, client):
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=3)
+    view = httpx.get(f"{base_url}/v1/cluster").json()["instances"]
+    assert {i["role"] for i in view} == {"encoder", "prefill", "decode"}
+    assert all(i["num_blocks_free"] == i["num_blocks_total"] for i in view)
+    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    text = httpx.get(f"{base_url}/metrics").text
+    for name in (
+        "pdcluster_ttft_seconds_bucket",
+        "pdcluster_inter_token_latency_seconds_bucket",
+        'pdcluster_requests_total{finish_reason="length"}',
+        "pdcluster_kv_usage_ratio{",
+        "pdcluster_num_deferred{",
+        "pdcluster_kv_transfer_bytes_total{",
+        "pdcluster_kv_leases_expired_total{",
+        "pdcluster_kv_transfer_latency_seconds_bucket{",
+    ):
+        assert name in text
+
+
+def test_api_key(cluster):
+    settings = GatewaySettings(api_key="s3cret")
+    app = create_app(cluster, settings, MODEL, cluster.max_model_len)
+    with running(app) as url:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        response = httpx.post(f"{url}/v1/completions", json=body, headers=wrong)
+        assert response.status_code == 401 and "API key" in response.json()["error"]["message"]
+        ok = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret")
+        assert ok.completions.create(model=MODEL, prompt="x", max_tokens=1).choices
+
+
+def test_body_size_limit(cluster):
+    app = create_app(cluster, GatewaySettings(max_body_bytes=2048), MODEL, cluster.max_model_len)
+    with running(app) as url:
+        body = json.dumps({"model": MODEL, "prompt": "y" * 5000})
+        response = httpx.post(f"{url}/v1/completions", content=body)
+        assert response.status_code == 413
