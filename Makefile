@@ -8,9 +8,10 @@ STAMP := $(VENV)/.installed
 # make test TORCH_PIP_ARGS="--index-url <PyTorch CPU wheel index>".
 TORCH ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
-# Topology config for `pdcluster serve`, used once the gateway lands.
+# Topology of `make serve`: an embedded local Ray with E, P and D instances, gateway on
+# 127.0.0.1:8000 (PORT overrides), the built-in tiny-llava model.
 CONFIG ?= ray_configs/local-1e1p1d.yaml
-PROMPT ?= Hello
+PORT ?= 8000
 
 .PHONY: setup serve test test-slow lint bench clean
 
@@ -23,10 +24,8 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Until the gateway lands: an offline demo on the built-in tiny-llava preset (no Ray).
-# Then: $(VENV)/bin/pdcluster serve --config $(CONFIG)
 serve: $(STAMP)
-	$(VENV)/bin/pdcluster generate "$(PROMPT)"
+	$(VENV)/bin/pdcluster serve --config $(CONFIG) --port $(PORT)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

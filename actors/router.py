@@ -197,15 +197,23 @@ class RouterActor:
         while True:
             await asyncio.sleep(HEALTH_INTERVAL_S)
             for iid, handle in self.handles.items():
-                try:
-                    ok = await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
-                except (ray.exceptions.RayError, asyncio.TimeoutError):
-                    ok = False
-                if ok:
+                if await _answers_health_check(handle):
                     self.policy.mark_alive(iid)
                 elif self.policy.instances[iid].healthy:
                     logger.warning("instance %s is unhealthy; routing around it", iid)
                     self.policy.mark_dead(iid)
+
+
+async def _answers_health_check(handle: ActorHandle) -> bool:
+    """Whether the instance reports itself healthy in time. A failed call's error is read
+    off its future, never raised: a raised error's traceback would put the call's ref in a
+    reference cycle, keeping its object alive until the next garbage collection."""
+    future = asyncio.wrap_future(handle.health.remote().future())
+    done, _ = await asyncio.wait([future], timeout=HEALTH_TIMEOUT_S)
+    if not done:
+        future.cancel()
+        return False
+    return future.exception() is None and bool(future.result())
 
 
 def _images(request: Request) -> list[tuple[int, int, str]]:

@@ -67,12 +67,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_job(args: argparse.Namespace) -> int:
-    from cluster.job import main as job_main
-
-    return job_main(args.job_args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,13 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.set_defaults(func=_cmd_status)
 
-    p = sub.add_parser("job", help="batch inference: JSONL in, JSONL out (see cluster.job)")
-    p.add_argument("job_args", nargs=argparse.REMAINDER, help="arguments of python -m cluster.job")
-    p.set_defaults(func=_cmd_job)
+    # `pdcluster job ...` is handed to cluster.job's own parser in main().
+    sub.add_parser("job", help="batch inference: JSONL in, JSONL out (pdcluster job --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["job"]:  # the job has its own parser (and --help)
+        from cluster.job import main as job_main
+
+        return job_main(argv[1:])
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -373,19 +373,12 @@ def _positive_int(text: str) -> int:
 
 
 def load_config(path: str, address: str | None) -> ClusterConfig:
-    """The topology config, joined to `address`, else the config's, else RAY_ADDRESS."""
+    """The topology config, joined to `address` when given (else the config's address, else
+    RAY_ADDRESS as `ray job submit` sets it: see cluster.launch.init_ray)."""
     config = ClusterConfig.from_yaml(path)
-    address = address or config.ray.address or _job_address()
-    if address == config.ray.address:
+    if not address:
         return config
     return config.model_copy(update={"ray": config.ray.model_copy(update={"address": address})})
-
-
-def _job_address() -> str | None:
-    """RAY_ADDRESS when it names a cluster (`ray job submit` sets it for the entrypoint);
-    an http(s) address there is a dashboard address for the job CLI, not for ray.init."""
-    address = os.environ.get("RAY_ADDRESS", "").strip()
-    return address if address and not address.startswith(("http://", "https://")) else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -188,8 +188,9 @@ def init_ray(config: ClusterConfig) -> bool:
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     kwargs: dict[str, Any] = {"namespace": config.ray.namespace, "log_to_driver": True}
-    if config.ray.address:
-        kwargs["address"] = config.ray.address
+    address = config.ray.address or _address_from_env()
+    if address:
+        kwargs["address"] = address
     else:
         kwargs.update(
             address="local",  # a new embedded cluster, not one `ray start` left running
@@ -199,6 +200,13 @@ def init_ray(config: ClusterConfig) -> bool:
         )
     ray.init(**kwargs)
     return True
+
+
+def _address_from_env() -> str | None:
+    """RAY_ADDRESS when it names a cluster (`ray job submit` and KubeRay set it); an http(s)
+    address there is the dashboard's, for the job CLI, not for ray.init."""
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    return address if address and not address.startswith(("http://", "https://")) else None
 
 
 def launch(config: ClusterConfig | str | Path) -> Cluster:
