@@ -88,7 +88,9 @@ class RayECConnector(ECConnectorBase):
                 return False
             return self._give_up(request.request_id)
         try:
-            outputs = ray.get(handle.ref)
+            # Local and ready: this returns at once (and, unlike ray.get, does not warn about
+            # blocking inside an async actor: this runs on the step-loop thread).
+            outputs = handle.ref.future().result()
         except ray.exceptions.RayError:
             return self._give_up(request.request_id)
         self._ready.update(outputs)
