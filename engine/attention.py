@@ -126,9 +126,8 @@ def write_kv(
     meta: AttentionMetadata,
 ) -> None:
     """Store the new tokens' K/V ([T, kv_heads, head_dim]) in their slots of this layer."""
-    blocks, offsets = meta.slot_block_ids, meta.slot_offsets
-    kv_cache[blocks, layer_idx, 0, offsets] = k.to(kv_cache.dtype)
-    kv_cache[blocks, layer_idx, 1, offsets] = v.to(kv_cache.dtype)
+    kv = torch.stack((k, v), dim=1).to(kv_cache.dtype)  # [T, 2, kv_heads, head_dim]
+    kv_cache[meta.slot_block_ids, layer_idx, :, meta.slot_offsets] = kv
 
 
 def paged_attention(
@@ -151,13 +150,21 @@ def paged_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
 
-    layer_kv = kv_cache[meta.block_tables, layer_idx]  # [B, max_blocks, 2, bs, kvh, hd]
+    # One gather of this layer's blocks along dim 0 (much cheaper than advanced indexing of
+    # the strided 6-D view), then a single permute copy into [2, B, kvh, ctx, hd].
+    flat_tables = meta.block_tables.view(-1)  # [B * max_blocks]
+    layer_kv = kv_cache.select(1, layer_idx).index_select(0, flat_tables)
+    layer_kv = layer_kv.view(num_seqs, -1, *layer_kv.shape[1:])  # [B, max_blocks, 2, bs, kvh, hd]
     layer_kv = layer_kv.to(q.dtype).permute(2, 0, 4, 1, 3, 5)  # [2, B, kvh, max_blocks, bs, hd]
     layer_kv = layer_kv.reshape(2, num_seqs, num_kv_heads, -1, head_dim)  # [2, B, kvh, ctx, hd]
 
-    q_padded = q.new_zeros(num_seqs * max_q, num_heads, head_dim)  # [B * max_q, H, hd]
-    q_padded[meta.padded_token_index] = q
-    q_padded = q_padded.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
+    decode_only = max_q == 1  # every sequence has exactly one new token: no padding needed
+    if decode_only:
+        q_padded = q.reshape(num_seqs, 1, num_heads, head_dim).transpose(1, 2)  # [B, H, 1, hd]
+    else:
+        q_padded = q.new_zeros(num_seqs * max_q, num_heads, head_dim)  # [B * max_q, H, hd]
+        q_padded[meta.padded_token_index] = q
+        q_padded = q_padded.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(
         q_padded,  # [B, H, max_q, hd]
@@ -168,4 +175,4 @@ def paged_attention(
         enable_gqa=num_heads != num_kv_heads,
     )  # [B, H, max_q, hd]
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
-    return out[meta.padded_token_index]  # [T, H, hd]
+    return out if decode_only else out[meta.padded_token_index]  # [T, H, hd]
