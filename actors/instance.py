@@ -81,6 +81,7 @@ class InstanceActor:
         engine = dataclasses.replace(spec.engine, model=resolve_model_dir(spec.engine.model))
         spec = dataclasses.replace(spec, engine=engine)
         self.spec = spec
+        self._node_id = ray.get_runtime_context().get_node_id()
         self.core = build_core(spec)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -259,6 +260,7 @@ class InstanceActor:
             "id": self.spec.instance_id,
             "role": self.spec.role,
             "pid": os.getpid(),
+            "node_id": self._node_id,
         }
         stats.update(self.core.stats())
         stats["num_active"] = len(self.core.request_ids())

@@ -2,7 +2,14 @@
 
 E and P get their work at once (P defers the request until E's output is local); P runs the
 prompt with max_tokens=1 and hands D the KV through `kv_transfer_params`; D streams the
-rest. Any instance holding state for a request is told when the request is aborted.
+rest. Any instance holding state for a request is told when the request is aborted or
+when another instance of it dies.
+
+Faults: an instance that dies before anything of the request reached the client (P while
+prefilling, D of a colocated request) is routed around: the request is planned again, once.
+One that dies later (D in transfer or decoding) ends the request with finish_reason "error";
+the survivors are told to abort, so P frees the KV it held for the dead D at once. A health
+loop marks instances dead and, once Ray has restarted them, alive again.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ again once it is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 import pytest
@@ -63,21 +64,14 @@ def baseline(epd):
     ids = live_object_ids()
     yield ids
     _resume_all(epd)
-    try:
-        assert_clean(epd, ids)
-    except AssertionError:
-        from ray.util.state import list_actors
-
-        for a in list_actors():
-            print("ACTOR", a.actor_id, a.name, a.pid, a.state)
-        from ray._private.internal_api import memory_summary
-
-        print(memory_summary(ray.get_runtime_context().gcs_address, line_wrap=False))
-        raise
+    assert_clean(epd, ids)
 
 
 def _resume_all(cluster) -> None:
-    ray.get([h.resume.remote() for _, h in cluster.instances.values()])
+    """Resume every instance (a restarted one starts unpaused; a restarting one refuses)."""
+    for ref in [h.resume.remote() for _, h in cluster.instances.values()]:
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            ray.get(ref)
 
 
 def mm_prompt(seed: int) -> dict:
@@ -114,6 +108,12 @@ def instance_with(cluster, role: str, key: str) -> str | None:
     return next((s["id"] for s in stats_of(cluster, role) if s.get(key)), None)
 
 
+def assert_serves(cluster, reference, prompt) -> None:
+    """A later request is served, and correctly (each call a prompt of its own: a repeated
+    prompt may be routed by prefix affinity rather than by the path under test)."""
+    assert cluster.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+
+
 def assert_error(out, *words: str) -> None:
     assert out.finish_reason == "error"
     error = out.outputs[0].error or ""
@@ -147,10 +147,10 @@ def test_decode_killed_in_transfer(epd, baseline, reference):
     assert total(epd, "prefill", "leases_expired") == 0
 
     # Served while D is down (colocated on P) or after its restart: correct either way.
-    assert epd.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+    assert_serves(epd, reference, "Right after D died")
     wait_restarted(epd, decode_id, pid)
     loads = total(epd, "decode", "num_loads")
-    assert epd.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+    assert_serves(epd, reference, "Once D is back")
     assert total(epd, "decode", "num_loads") == loads + 1  # the restarted D decoded it
 
 
@@ -175,7 +175,7 @@ def test_decode_killed_while_decoding(epd, baseline, reference):
     expected = reference(prompt, dataclasses.replace(GREEDY, max_tokens=len(out.token_ids)))
     assert out.token_ids == expected.token_ids
     wait_restarted(epd, decode_id, pid)
-    assert epd.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+    assert_serves(epd, reference, "Once D is back again")
 
 
 # ---- P -------------------------------------------------------------------------------------
@@ -196,16 +196,19 @@ def test_prefill_killed_after_handoff_recompute(epd, baseline, reference):
             )
         )
         prefill_id = instance_with(epd, "prefill", "num_pending_sends")
-        pid = kill(epd, prefill_id)
+        # Once P is back its old objects are surely gone (a read racing the kill may still
+        # find them in this node's store: correct too, but not the path under test).
+        wait_restarted(epd, prefill_id, kill(epd, prefill_id))
         ray.get(decode.resume.remote())
-        return await task, prefill_id, pid
+        return await task
 
-    out, prefill_id, pid = asyncio.run(scenario())
+    out = asyncio.run(scenario())
     assert out.finish_reason == "length"
     assert out.token_ids == reference(prompt).token_ids
     assert total(epd, "decode", "num_failed_loads") == failed + 1
-    wait_restarted(epd, prefill_id, pid)
-    assert epd.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+    sends = total(epd, "prefill", "num_sends")
+    assert_serves(epd, reference, "Once P is back")
+    assert total(epd, "prefill", "num_sends") == sends + 1
 
 
 def test_prefill_killed_after_handoff_fail(ray_session, model_dir, reference):
@@ -226,19 +229,16 @@ def test_prefill_killed_after_handoff_fail(ray_session, model_dir, reference):
                     and total(cluster, "decode", "num_waiting") == 1
                 )
             )
-            pid = kill(cluster, prefill_id)
+            wait_restarted(cluster, prefill_id, kill(cluster, prefill_id))
             ray.get(decode.resume.remote())
-            return await task, pid
+            return await task
 
-        out, pid = asyncio.run(scenario())
+        out = asyncio.run(scenario())
         assert_error(out, "kv_load_failure_policy='fail'")
         assert out.token_ids == reference(prompt).token_ids[:1]
         assert total(cluster, "decode", "num_failed_loads") == 1
-        # P is down (D serves colocated) or back: a later request is correct either way.
-        assert cluster.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
-        wait_restarted(cluster, prefill_id, pid)
         sends = total(cluster, "prefill", "num_sends")
-        assert cluster.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+        assert_serves(cluster, reference, "Once P is back")
         assert total(cluster, "prefill", "num_sends") == sends + 1  # the restarted P served
         assert_clean(cluster, baseline)
 
@@ -263,10 +263,10 @@ def test_prefill_killed_while_prefilling(epd, baseline, reference):
     assert out.finish_reason == "length"
     assert out.token_ids == reference(prompt).token_ids
     survivor = next(i for i in sends if i != prefill_id)
-    after = {s["id"]: s["num_sends"] for s in stats_of(epd, "prefill")}
+    after = {s["id"]: s.get("num_sends") for s in stats_of(epd, "prefill")}
     assert after[survivor] == sends[survivor] + 1  # routed around the dead P
     wait_restarted(epd, prefill_id, pid)
-    assert epd.generate(prompt, GREEDY)[0].token_ids == reference(prompt).token_ids
+    assert_serves(epd, reference, "Once both P are up")
 
 
 # ---- E -------------------------------------------------------------------------------------

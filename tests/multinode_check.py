@@ -1,0 +1,109 @@
+"""Serve 1E1P1D on a multi-node Ray cluster on this machine and compare with colocated serving.
+
+A head node with no CPUs and one node per role, each declaring that role's custom resource
+(`pdcluster_<role>`), so that every instance lands on a raylet of its own and encoder outputs
+and KV blocks cross raylets through Ray's object manager. Prints one JSON object on stdout.
+Run from the repository root as `python -m tests.multinode_check --model DIR`; it starts its
+own Ray cluster and connects to it by address, so it must not run inside a Ray driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only local cluster
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+ROLES = ("encoder", "prefill", "decode")
+STORE_BYTES = 100 * 1024 * 1024  # per node
+CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+
+
+def start_ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,  # nothing of the topology runs on the head
+            "include_dashboard": False,
+            "object_store_memory": STORE_BYTES,
+        },
+    )
+    for role in ROLES:
+        cluster.add_node(
+            num_cpus=1, resources={f"pdcluster_{role}": 1}, object_store_memory=STORE_BYTES
+        )
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def serve(model_dir: str, address: str) -> dict[str, Any]:
+    import ray
+
+    from cluster.config import ClusterConfig
+    from cluster.launch import launch
+    from engine import LLM
+    from tests.cluster_utils import GREEDY, SMALL_ENGINE, mixed_prompts
+
+    ray.init(address=address, namespace="pdcluster-multinode", log_to_driver=False)
+    roles = {
+        role: {"count": 1, "num_cpus": 1, "resources": {f"pdcluster_{role}": 1}} for role in ROLES
+    }
+    config = ClusterConfig.model_validate(
+        {"model": model_dir, "engine": dict(SMALL_ENGINE), **roles}
+    )
+    prompts = mixed_prompts(with_images=True)
+    with launch(config) as pd:
+        outputs = pd.generate(prompts, GREEDY)
+        stats = pd.wait_idle()
+    expected = LLM(model_dir, **SMALL_ENGINE).generate(prompts, GREEDY)
+    return {
+        "num_nodes": len([n for n in ray.nodes() if n["Alive"]]),
+        "head_node_id": ray.get_runtime_context().get_node_id(),
+        "token_ids": [o.token_ids for o in outputs],
+        "expected_token_ids": [o.token_ids for o in expected],
+        "finish_reasons": [o.finish_reason for o in outputs],
+        "instances": {
+            s["role"]: {
+                k: s.get(k)
+                for k in ("node_id", "healthy", "num_loads", "bytes_received", "ec_loaded")
+            }
+            for s in stats
+        },
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True, help="checkpoint folder")
+    args = parser.parse_args()
+    import ray
+
+    # A head node records itself as "the current cluster" for `address="auto"`: put back
+    # what was there, so that no later `ray.init()` finds this short-lived cluster.
+    before = CURRENT_CLUSTER.read_bytes() if CURRENT_CLUSTER.is_file() else None
+    cluster = None
+    try:
+        cluster = start_ray_cluster()
+        result = serve(args.model, cluster.address)
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        if before is None:
+            CURRENT_CLUSTER.unlink(missing_ok=True)
+        else:
+            CURRENT_CLUSTER.write_bytes(before)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
