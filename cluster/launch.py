@@ -85,6 +85,11 @@ class Cluster:
                 for out in await ref:
                     finished = finished or out.finished
                     yield out
+        except ray.exceptions.RayError as exc:  # e.g. the router died mid-request
+            finished = True
+            yield EngineCoreOutput(
+                request.request_id, [], finish_reason="error", error=f"router failed: {exc}"
+            )
         finally:
             if not finished:
                 self.router.abort.remote(request.request_id)

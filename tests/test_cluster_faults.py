@@ -30,6 +30,7 @@ from tests.cluster_utils import (
     assert_clean,
     collect,
     handle,
+    instance_stats,
     live_object_ids,
     random_image,
     start,
@@ -290,3 +291,31 @@ def test_encoder_killed_while_encoding(epd, baseline, reference):
     loaded = total(epd, "prefill", "ec_loaded")
     assert epd.generate(mm_prompt(22), GREEDY)[0].token_ids == reference(mm_prompt(22)).token_ids
     assert total(epd, "prefill", "ec_loaded") == loaded + 1  # the restarted E encoded it
+
+
+def test_router_restart(ray_session, model_dir, reference):
+    """A killed router restarts (its instances are found by name); a request in flight gets
+    a clean error, later requests are served, and the instances end idle."""
+    with start(model_dir, prefill=1, decode=1) as cluster:
+        baseline = live_object_ids()
+
+        async def scenario():
+            request = cluster.make_request("router dies mid-stream", LONG)
+            task = asyncio.create_task(collect(cluster, request))
+            assert await until(lambda: instance_stats(cluster, "decode")["num_running"] == 1)
+            ray.kill(cluster.router, no_restart=False)
+            return await task
+
+        out = asyncio.run(scenario())
+        assert out.finish_reason == "error" and "router" in out.outputs[0].error
+        assert wait_until(lambda: _router_answers(cluster), 60)
+        again = cluster.generate("after the restart", GREEDY)[0]
+        assert again.token_ids == reference("after the restart").token_ids
+        assert_clean(cluster, baseline, timeout_s=90)
+
+
+def _router_answers(cluster) -> bool:
+    try:
+        return ray.get(cluster.router.num_in_flight.remote(), timeout=5) == 0
+    except ray.exceptions.RayError:
+        return False
