@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterable
 import pytest
 import torch
 
-from connectors.ray_kv import RayKVConnector, _consecutive_runs, _segments
+from connectors.ray_kv import RayKVConnector
+from connectors.ray_kv_layout import consecutive_runs, plan_segments
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -336,8 +337,8 @@ def test_shutdown_drops_everything(ray):
 
 
 # ---- layout helpers (no Ray) -----------------------------------------------------------------
-def test_consecutive_runs_and_segments():
-    assert _consecutive_runs([7, 8, 2, 3, 4, 0]) == [(7, 2), (2, 3), (0, 1)]
-    assert _consecutive_runs([]) == []
+def test_consecutive_runs_andsegments():
+    assert consecutive_runs([7, 8, 2, 3, 4, 0]) == [(7, 2), (2, 3), (0, 1)]
+    assert consecutive_runs([]) == []
     # Source blocks 1..4 of runs [2, 3] onto destination blocks 10, 11, 12, 5.
-    assert _segments((2, 3), 1, [10, 11, 12, 5]) == [(0, 1, 10, 1), (1, 0, 11, 2), (1, 2, 5, 1)]
+    assert plan_segments((2, 3), 1, [10, 11, 12, 5]) == [(0, 1, 10, 1), (1, 0, 11, 2), (1, 2, 5, 1)]
