@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,8 @@ from cluster.launch import Cluster, launch
 from engine import SamplingParams
 from engine.llm import RequestOutput, merge_output, new_request_output
 from engine.request import Request
+
+_OBJECT_ID = re.compile(r"\b[0-9a-f]{56}\b")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -90,11 +93,19 @@ async def collect(cluster: Cluster, request: Request) -> RequestOutput:
     return result
 
 
+def our_objects_in_store(object_ids: Iterable[str] | None = None) -> set[str]:
+    """Hex ids of objects that some worker of the cluster still references (the store frees an
+    object once none does), restricted to `object_ids` when given."""
+    from ray._private.internal_api import memory_summary
+
+    address = ray.get_runtime_context().gcs_address
+    live = set(_OBJECT_ID.findall(memory_summary(address, line_wrap=False)))
+    return live if object_ids is None else live & set(object_ids)
+
+
 def live_object_ids() -> set[str]:
     """Objects some process references. Collects this process's cyclic garbage first: a
     cancelled client task's traceback can hold a stream's refs until then."""
-    from tests.test_ray_kv_connector import our_objects_in_store
-
     gc.collect()
     return our_objects_in_store()
 

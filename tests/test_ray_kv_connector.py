@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
-from collections.abc import Callable, Iterable
 
 import pytest
 import torch
@@ -15,33 +13,13 @@ from connectors.ray_kv import RayKVConnector
 from connectors.ray_kv_layout import consecutive_runs, plan_segments
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from tests.cluster_utils import our_objects_in_store, wait_until
 
 BLOCK_SIZE = 4
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 8
-_OBJECT_ID = re.compile(r"\b[0-9a-f]{56}\b")
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def our_objects_in_store(object_ids: Iterable[str] | None = None) -> set[str]:
-    """Hex ids of objects that some worker of the cluster still references (the store frees an
-    object once none does), restricted to `object_ids` when given."""
-    import ray
-    from ray._private.internal_api import memory_summary
-
-    address = ray.get_runtime_context().gcs_address
-    live = set(_OBJECT_ID.findall(memory_summary(address, line_wrap=False)))
-    return live if object_ids is None else live & set(object_ids)
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def make_pool(num_blocks: int, seed: int | None = None, dtype=torch.float32) -> torch.Tensor:
     shape = (num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     if seed is None:
