@@ -132,6 +132,7 @@ class RouterActor:
                 yield batch
         finally:
             self.policy.on_decode_end(plan.decode_id, request.num_prompt_tokens + max_tokens)
+            self._encode_done(plan)
 
     async def _disaggregated(
         self, plan: Plan, request: Request
@@ -145,6 +146,7 @@ class RouterActor:
                 last = batch[-1]
         finally:
             self.policy.on_prefill_end(plan.prefill_id, request.num_prompt_tokens)
+            self._encode_done(plan)  # E's output was used (or given up on) by now
         if last is None:
             yield [_error(request.request_id, "prefill returned nothing")]
             return
@@ -174,7 +176,12 @@ class RouterActor:
         if plan.encoder_id is None:
             return None
         self._holders[request.request_id].add(plan.encoder_id)
+        self.policy.on_encode_start(plan.encoder_id)
         return [self.handles[plan.encoder_id].encode.remote(request)]
+
+    def _encode_done(self, plan: Plan) -> None:
+        if plan.encoder_id is not None:
+            self.policy.on_encode_end(plan.encoder_id)
 
     async def _stream(
         self, instance_id: str, request: Request, ec_handle: list[ray.ObjectRef] | None

@@ -152,6 +152,12 @@ class RouterPolicy:
         load.queued_prefill_tokens += len(prompt_token_ids)
         self._remember(load, prompt_token_ids, images)
 
+    def on_encode_start(self, instance_id: str) -> None:
+        self.instances[instance_id].num_active += 1
+
+    def on_encode_end(self, instance_id: str) -> None:
+        self.instances[instance_id].num_active -= 1
+
     def on_prefill_end(self, instance_id: str, num_prompt_tokens: int) -> None:
         load = self.instances[instance_id]
         load.num_active -= 1

@@ -285,3 +285,14 @@ def test_least_recently_seen_prefix_is_forgotten_first():
     assert policy.plan(old).prefill_id == "P0"
     assert policy.plan(newest).prefill_id == "P0"
     assert policy.plan(recent).prefill_id == "P1"
+
+
+def test_encoders_are_balanced_by_active_encodes():
+    policy = make_policy(num_prefill=1, num_decode=1, num_encoder=2)
+    images = [image(0, 4, "cat")]
+    first = policy.plan(prompt(8), images).encoder_id
+    policy.on_encode_start(first)
+    second = policy.plan(prompt(8), images).encoder_id
+    assert second != first
+    policy.on_encode_end(first)
+    assert policy.instances[first].num_active == 0
