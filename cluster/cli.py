@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # `pdcluster job ...` is handed to cluster.job's own parser in main().
     sub.add_parser("job", help="batch inference: JSONL in, JSONL out (pdcluster job --help)")
+    # `pdcluster bench ...` is handed to benchmarks.bench's own parser in main().
+    sub.add_parser("bench", help="serving benchmark: latency, SLO attainment, goodput")
     return parser
 
 
@@ -109,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         from cluster.job import main as job_main
 
         return job_main(argv[1:])
+    if argv[:1] == ["bench"]:  # the benchmark has its own parser (and --help)
+        from benchmarks.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -1,0 +1,131 @@
+"""What a benchmark runs against: a gateway URL, or a topology launched in this process.
+
+A launched topology runs on embedded Ray (or the Ray this process already initialised) with
+its gateway served by uvicorn on a free 127.0.0.1 port in a background thread; it is shut
+down before the next one starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "ray_configs"
+
+
+@dataclass
+class Target:
+    name: str  # topology name (e.g. local-1p1d) or the URL
+    url: str  # gateway base URL
+    model: str  # served model id
+    max_model_len: int
+    topology: str | None = None  # e.g. 1P1D, when known
+    config_path: str | None = None
+    cluster: Any = None  # cluster.launch.Cluster for a launched topology (Python API access)
+    api_key: str | None = None
+
+
+def resolve_config(name: str) -> Path:
+    """A topology name (ray_configs/<name>.yaml) or a path to a config file."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    candidate = CONFIG_DIR / f"{name.removesuffix('.yaml')}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = sorted(p.stem for p in CONFIG_DIR.glob("local-*.yaml"))
+    raise FileNotFoundError(f"no topology {name!r}: not a file, nor one of {known}")
+
+
+def url_target(url: str, api_key: str | None = None) -> Target:
+    """An already-running gateway; the model id and context length come from /v1/models."""
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{url}/v1/models", headers=headers, timeout=10)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot read {url}/v1/models: {exc}") from None
+    card = response.json()["data"][0]
+    return Target(url, url, card["id"], int(card.get("max_model_len") or 2048), api_key=api_key)
+
+
+@contextlib.contextmanager
+def local_target(config_name: str, model: str | None) -> Iterator[Target]:
+    """Launch the topology (model overridden when given) and serve its gateway."""
+    from cluster.config import ClusterConfig
+    from cluster.launch import launch
+    from cluster.serve import gateway_app
+
+    path = resolve_config(config_name)
+    config = ClusterConfig.from_yaml(path)
+    if model:
+        config = config.model_copy(update={"model": model})
+    cluster = launch(config)
+    try:
+        with serve_in_thread(gateway_app(cluster)) as url:
+            yield Target(
+                name=config_name,
+                url=url,
+                model=cluster.model_name,
+                max_model_len=cluster.max_model_len,
+                topology=config.topology_name(),
+                config_path=str(path),
+                cluster=cluster,
+            )
+    finally:
+        cluster.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, timeout_s: float = 30.0) -> Iterator[str]:
+    """Serve a FastAPI app on 127.0.0.1 until the block ends; yields the base URL."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True, name="bench-gateway")
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def wait_quiet(target: Target, timeout_s: float = 60.0) -> bool:
+    """Wait until no instance runs or queues a request (between runs, so that one rate's
+    leftovers do not load the next); False on timeout."""
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    busy = ("num_running", "num_waiting", "num_deferred", "num_pending_transfers")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.get(f"{target.url}/v1/cluster", headers=headers, timeout=10)
+            instances = response.json()["instances"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False  # a gateway without /v1/cluster: nothing to wait on
+        if not any(i.get(k) for i in instances for k in busy):
+            return True
+        time.sleep(0.1)
+    return False

@@ -1,0 +1,249 @@
+"""`pdcluster bench`: workload windowing and scaling, percentiles, goodput (no Ray), and a
+smoke run that launches two tiny topologies on the session's Ray."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import yaml
+
+from benchmarks import bench
+from benchmarks.client import RequestResult
+from benchmarks.metrics import Slo, goodput, percentile, search_rates, summarize
+from benchmarks.workload import (
+    FIRST_ORDINARY_TOKEN_ID,
+    MAX_RANDOM_TOKEN_ID,
+    LengthScaling,
+    RequestSpec,
+    load_trace,
+    request_body,
+    scale_len,
+    synthetic_workload,
+    trace_workload,
+    window,
+    with_images,
+)
+
+TRACE = """TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:15:46.6805900,374,44
+2023-11-16 18:15:50.9951690,396,109
+2023-11-16 18:15:51.2224670,879,55
+2023-11-16 18:15:51.3910170,91,16
+2023-11-16 18:15:56.6805900,4000,1
+2023-11-16 18:16:06.6805900,10,700
+"""
+
+
+@pytest.fixture
+def trace(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text(TRACE)
+    return path
+
+
+def test_trace_times_are_relative_and_precise(trace):
+    rows = load_trace(trace)
+    assert [r.prompt_len for r in rows] == [374, 396, 879, 91, 4000, 10]
+    assert rows[0].arrival_s == 0
+    assert rows[1].arrival_s == pytest.approx(4.314579)
+    assert rows[-1].arrival_s == pytest.approx(20.0)
+
+
+def test_window_by_start_count_and_duration(trace):
+    rows = load_trace(trace)
+    w = window(rows, start_s=4.0, num_requests=3)
+    assert [r.prompt_len for r in w] == [396, 879, 91]
+    assert w[0].arrival_s == 0 and w[1].arrival_s == pytest.approx(0.227298)
+    assert [r.prompt_len for r in window(rows, 4.0, duration_s=5.0)] == [396, 879, 91]
+    with pytest.raises(ValueError, match="no requests"):
+        window(rows, start_s=100)
+
+
+def test_token_scaling_clamps_to_bounds(trace):
+    assert scale_len(374, 0.25, 4, 1536) == 94
+    assert scale_len(4000, 1.0, 4, 1536) == 1536
+    assert scale_len(1, 0.25, 2, 512) == 2
+    lengths = LengthScaling(0.5, min_prompt_len=8, max_prompt_len=1000, min_output_len=2,
+                            max_output_len=300)  # fmt: skip
+    w = trace_workload(trace, lengths, rate_scale=2.0)
+    assert [r.prompt_len for r in w.requests] == [187, 198, 440, 46, 1000, 8]
+    assert [r.output_len for r in w.requests] == [22, 54, 28, 8, 2, 300]
+    assert w.requests[-1].arrival_s == pytest.approx(10.0)  # twice the trace's rate
+    assert w.mean_rate == pytest.approx(0.5)
+    assert "×0.5" in w.describe() and "0.5 req/s" in w.describe()
+
+
+def test_retiming_keeps_burstiness(trace):
+    w = trace_workload(trace, LengthScaling())
+    fast = w.at_rate(2.0)
+    assert fast.mean_rate == pytest.approx(2.0)
+    gaps = np.diff([r.arrival_s for r in w.requests])
+    fast_gaps = np.diff([r.arrival_s for r in fast.requests])
+    np.testing.assert_allclose(fast_gaps / gaps, fast_gaps[0] / gaps[0])
+    assert [r.prompt_len for r in fast.requests] == [r.prompt_len for r in w.requests]
+
+
+def test_fit_cuts_prompts_to_the_context(trace):
+    w = trace_workload(trace, LengthScaling(max_prompt_len=5000, max_output_len=1000)).fit(1024)
+    assert all(r.prompt_len + r.output_len <= 1024 for r in w.requests)
+    assert w.scaling["num_cut_to_fit"] == 1
+    assert "cut to max_model_len 1024" in w.describe()
+
+
+def test_synthetic_workload_rate_and_jitter():
+    w = synthetic_workload(rate=4.0, num_requests=400, prompt_len=100, output_len=20, jitter=0.2)
+    assert len(w.requests) == 400
+    assert w.mean_rate == pytest.approx(4.0)
+    assert all(80 <= r.prompt_len <= 120 and 16 <= r.output_len <= 24 for r in w.requests)
+    gaps = np.diff([r.arrival_s for r in w.requests])
+    assert 0.8 < gaps.std() / gaps.mean() < 1.2  # exponential gaps: CV about 1
+    assert with_images(w, 1.0).requests[0].has_image
+    assert not any(r.has_image for r in with_images(w, 0.0).requests)
+    half = sum(r.has_image for r in with_images(w, 0.5).requests)
+    assert 150 < half < 250
+
+
+def test_request_bodies_have_exact_lengths():
+    path, body = request_body(RequestSpec(0, 50, 7), "m", random.Random(0))
+    assert path == "/v1/completions"
+    assert len(body["prompt"]) == 50 and body["max_tokens"] == 7 and body["ignore_eos"]
+    assert all(FIRST_ORDINARY_TOKEN_ID <= t < MAX_RANDOM_TOKEN_ID for t in body["prompt"])
+    path, body = request_body(RequestSpec(0, 10, 3, has_image=True), "m", random.Random(0))
+    assert path == "/v1/chat/completions" and body["max_completion_tokens"] == 3
+    parts = body["messages"][0]["content"]
+    assert parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert len(parts[1]["text"].split()) == 10
+
+
+def test_percentile_matches_numpy():
+    values = [random.Random(1).random() for _ in range(37)]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+
+
+def _result(ttft_s, e2e_s, n, error=None):
+    return RequestResult(RequestSpec(0, 10, n), ttft_s=ttft_s, e2e_s=e2e_s,
+                         num_output_tokens=n, error=error)  # fmt: skip
+
+
+def test_summary_counts_and_attainment():
+    results = [
+        _result(0.1, 1.1, 11),  # TPOT 100 ms: meets both
+        _result(0.3, 0.5, 3),  # TTFT misses
+        _result(0.1, 3.1, 11),  # TPOT 300 ms misses
+        _result(0.1, 0.1, 1),  # one token: no TPOT, meets
+        _result(None, None, 0, error="HTTP 500"),
+    ]
+    assert results[0].tpot_s == pytest.approx(0.1) and results[3].tpot_s is None
+    s = summarize(results, duration_s=2.0, slo=Slo(ttft_ms=200, tpot_ms=150))
+    assert (s["num_requests"], s["num_ok"], s["num_errors"]) == (5, 4, 1)
+    assert s["attainment"] == pytest.approx(2 / 5)
+    assert s["ttft_attainment"] == pytest.approx(3 / 5)
+    assert s["tpot_attainment"] == pytest.approx(3 / 5)
+    assert s["throughput_rps"] == 2.0 and s["output_tokens_per_s"] == 13.0
+    assert s["ttft_ms"]["p50"] == pytest.approx(100.0) and s["first_error"] == "HTTP 500"
+
+
+def test_goodput_takes_the_passing_prefix_and_interpolates():
+    g = goodput([(1, 1.0), (2, 0.95), (4, 0.5), (8, 0.92)])
+    assert g["rps"] == 2  # 8 passing after 4 failing does not count as goodput
+    assert g["max_passing_rps"] == 8  # but is reported
+    assert g["interpolated_rps"] == pytest.approx(2 + 2 * 0.05 / 0.45)
+    assert goodput([(1, 0.5)])["rps"] is None
+    assert goodput([(1, 1.0), (2, 0.9)])["interpolated_rps"] == 2
+
+
+def test_rate_search_doubles_then_bisects():
+    capacity = 5.0
+    seen = []
+
+    def measure(rate):
+        seen.append(rate)
+        return 1.0 if rate <= capacity else 0.0
+
+    points = search_rates(measure, start=1.0, bisect_steps=3)
+    assert seen[:4] == [1, 2, 4, 8]
+    g = goodput(points)
+    assert 4 <= g["rps"] <= capacity and capacity - g["rps"] < 1.0
+    down = search_rates(lambda r: 1.0 if r <= 0.3 else 0.0, start=1.0, bisect_steps=0)
+    assert [r for r, _ in down] == [1.0, 0.5, 0.25]
+
+
+def test_missing_trace_is_a_clear_error(tmp_path, capsys):
+    code = bench.main(["--url", "http://127.0.0.1:9", "--trace", str(tmp_path / "nope.csv")])
+    assert code == 2
+    assert "nope.csv not found" in capsys.readouterr().err
+
+
+def test_sweep_without_slo_is_refused(capsys):
+    code = bench.main(["--url", "http://x", "--synthetic", "--rates", "1,2"])
+    assert code == 2 and "needs SLOs" in capsys.readouterr().err
+
+
+# ---- smoke run on Ray ---------------------------------------------------------------------
+def _config(tmp_path, model_dir, name, roles):
+    data = {
+        "model": model_dir,
+        "engine": {
+            "block_size": 4,
+            "num_blocks": 256,
+            "max_num_batched_tokens": 256,
+            "max_num_seqs": 32,
+            "max_model_len": 256,
+        },  # fmt: skip
+        **{role: {"count": count, "num_cpus": 1} for role, count in roles.items()},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_bench_smoke_two_topologies(ray_session, preset_dir, tmp_path):
+    model_dir = preset_dir("tiny-llava")
+    pd = _config(tmp_path, model_dir, "pd", {"prefill": 1, "decode": 1})
+    mixed = _config(tmp_path, model_dir, "mixed", {"mixed": 1})
+    out = tmp_path / "out"
+    argv = ["--topologies", f"{pd},{mixed}", "--synthetic", "--num-requests", "8",
+            "--prompt-len", "24", "--output-len", "6", "--jitter", "0.5", "--rates", "4,16",
+            "--slo-scale", "5,3", "--isolated-requests", "2", "--image-fraction", "0.25",
+            "--gateway-overhead", "--overhead-requests", "2", "--out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["command"].startswith("pdcluster bench --topologies")
+    assert results["machine"]["cpu_count"] >= 1
+    topos = results["topologies"]
+    assert [t["topology"] for t in topos] == ["1P1D", "1mixed"]
+    for topo in topos:
+        assert topo["slo"] == topos[0]["slo"]  # the first topology's isolated latency sets it
+        assert topo["isolated"]["ttft_ms"] > 0 and topo["isolated"]["tpot_ms"] > 0
+        assert [round(r["rate_rps"]) for r in topo["runs"]] == [4, 16]
+        for run in topo["runs"]:
+            s = run["summary"]
+            assert s["num_requests"] == len(run["requests"]) == 8
+            assert s["num_ok"] + s["num_errors"] == 8 and s["num_ok"] == 8
+            assert 0 <= s["attainment"] <= 1
+            assert s["ttft_ms"]["p50"] <= s["ttft_ms"]["p90"] <= s["ttft_ms"]["p99"]
+            for r in run["requests"]:
+                assert r["num_output_tokens"] == r["output_len"]
+                if not r["has_image"]:  # completions stream one chunk per token
+                    assert len(r["itl_ms"]) == r["output_len"] - 1
+            assert any(r["has_image"] for r in run["requests"])
+        assert topo["goodput"]["rps"] in (None, 4.0, 16.0)
+        overhead = topo["gateway_overhead"]
+        assert overhead["http_ttft_ms_median"] > 0 and overhead["api_ttft_ms_median"] > 0
+    (comparison,) = results["comparisons"]
+    assert [row["rate_rps"] for row in comparison["per_rate"]] == [
+        r["rate_rps"] for r in topos[0]["runs"]
+    ]
+    summary = (out / "summary.md").read_text()
+    assert "Ratios: " in summary and "Goodput" in summary and "synthetic Poisson" in summary
+    for png in ("attainment_vs_rate.png", "ttft_cdf.png", "tpot_cdf.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not math.isnan(results["cdf_rate_rps"])
