@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import GatewaySettings
 from cluster.metrics import GatewayMetrics
@@ -34,6 +35,7 @@ from engine.tokenizer import Tokenizer
 BodyT = TypeVar("BodyT", bound=BaseModel)
 DISCONNECT_POLL_S = 0.1
 IMAGE_FETCH_TIMEOUT_S = 10.0
+COMPONENTS = "#/components/schemas/"
 
 
 class ClusterClient(Protocol):
@@ -102,11 +104,18 @@ def create_app(
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
-    @app.post("/v1/completions")
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths and methods get OpenAI-shaped errors too."""
+        response = APIError(exc.status_code, str(exc.detail)).response()
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await gw.completions(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await gw.chat_completions(request)
 
@@ -146,7 +155,31 @@ def create_app(
             metrics.instances.snapshot = []
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    _document_bodies(app, (CompletionRequest, ChatCompletionRequest))
     return app
+
+
+def _request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI for a body the handler parses itself (so its errors stay OpenAI-shaped)."""
+    ref = {"$ref": f"{COMPONENTS}{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _document_bodies(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
+    """Add the request bodies' JSON schemas to the app's OpenAPI components."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                body = model.model_json_schema(ref_template=COMPONENTS + "{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _instance_view(s: dict[str, Any]) -> dict[str, Any]:
@@ -197,14 +230,25 @@ class _Gateway:
                 413, f"request body exceeds {self.settings.max_body_bytes} bytes", "body_too_large"
             )
 
+    async def read_body(self, request: Request) -> bytes:
+        """The body, refused as soon as it outgrows the limit (a chunked upload has no
+        Content-Length for the middleware to check)."""
+        limit, size, chunks = self.settings.max_body_bytes, 0, []
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds {limit} bytes", "body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
-        body = await request.body()
-        if len(body) > self.settings.max_body_bytes:
-            raise APIError(
-                413, f"request body exceeds {self.settings.max_body_bytes} bytes", "body_too_large"
-            )
+        body = await self.read_body(request)
         try:
             data = json.loads(body, parse_constant=_reject_constant)
+            # Strings reach the tokenizer: a lone surrogate (\ud800) is not text.
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise APIError(400, "request body holds invalid Unicode", "invalid_json") from None
         except (ValueError, RecursionError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
         if not isinstance(data, dict):
@@ -212,9 +256,10 @@ class _Gateway:
         try:
             parsed = model.model_validate(data)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"])
-            raise APIError(400, f"{param}: {first['msg']}", "invalid_value", param) from None
+            # The deepest error names the culprit (a union's other branches fail shallower).
+            error = max(exc.errors(), key=lambda e: len(e["loc"]))
+            param = ".".join(str(p) for p in error["loc"] if not _is_type_tag(p))
+            raise APIError(400, f"{param}: {error['msg']}", "invalid_value", param) from None
         except RecursionError:
             raise APIError(400, "request body is nested too deeply", "invalid_json") from None
         if parsed.model != self.model_name:
@@ -314,7 +359,8 @@ class _Gateway:
         """A data: URL, or an http(s) URL whose host the config allow-lists (no other
         server-side fetch is ever made)."""
         if url.startswith("data:"):
-            return load_image(decode_data_url(url, self.settings.max_body_bytes))
+            data = decode_data_url(url, self.settings.max_body_bytes)
+            return await asyncio.to_thread(load_image, data)  # decoding can take a while
         parsed = urlparse(url)
         allowed = self.settings.allowed_image_hosts
         if parsed.scheme not in ("http", "https") or parsed.hostname not in allowed:
@@ -322,7 +368,8 @@ class _Gateway:
                 "image_url must be a data: URL; remote URLs are refused unless their host is "
                 "allow-listed"
             )
-        return load_image(await asyncio.to_thread(_download, url, self.settings.max_body_bytes))
+        data = await asyncio.to_thread(_download, url, self.settings.max_body_bytes)
+        return await asyncio.to_thread(load_image, data)
 
     # ---- running ---------------------------------------------------------------------
     async def _stream_one(
@@ -510,6 +557,11 @@ def _download(url: str, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise ValueError(f"image at {url} exceeds {max_bytes} bytes")
     return data
+
+
+def _is_type_tag(part: str | int) -> bool:
+    """Pydantic's name for a union member in an error location (`str`, `list[int]`)."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
 
 
 def _reject_constant(name: str) -> None:

@@ -22,6 +22,9 @@ from engine.request import MultiModalFeature
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_IMAGE_PIXELS = 4096 * 4096
+# Resizing the short side to the model's size scales the long side by the same factor: a
+# 1 x 16M-pixel strip would become gigabytes. (Qwen2-VL's processor draws the line at 200.)
+MAX_ASPECT_RATIO = 200
 # Formats whose decoders are plain Pillow code (EPS, for one, would run Ghostscript).
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 _DATA_URL = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)$", re.DOTALL)
@@ -63,7 +66,8 @@ def load_image(
     """Decode untrusted image bytes into an RGB image (the first frame of an animation).
 
     ValueError on anything that is not a readable image of an allowed format, or whose
-    declared size exceeds `max_pixels` (checked from the header, before decoding pixels).
+    declared size exceeds `max_pixels` or `MAX_ASPECT_RATIO` (checked from the header, before
+    decoding pixels).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
         raise ValueError("image data is empty or not bytes")
@@ -76,6 +80,10 @@ def load_image(
             width, height = image.size
             if width < 1 or height < 1 or width * height > max_pixels:
                 raise ValueError(f"image is {width}x{height}; at most {max_pixels} pixels allowed")
+            if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+                raise ValueError(
+                    f"image is {width}x{height}; its aspect ratio must be at most {MAX_ASPECT_RATIO}"
+                )
             image.load()
     except ValueError:
         raise

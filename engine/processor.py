@@ -56,7 +56,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             return self._encode(prompt), []
         if isinstance(prompt, list):
-            return _check_token_ids(prompt), []
+            return self._check_token_ids(prompt), []
         if not isinstance(prompt, dict):
             raise ValueError(
                 f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}"
@@ -71,7 +71,7 @@ class InputProcessor:
                 raise ValueError("'prompt' must be a string")
             token_ids = self._encode(prompt["prompt"])
         else:
-            token_ids = _check_token_ids(prompt["prompt_token_ids"])
+            token_ids = self._check_token_ids(prompt["prompt_token_ids"])
         return token_ids, _images_of(prompt.get("multi_modal_data") or {})
 
     def _encode(self, text: str) -> list[int]:
@@ -79,6 +79,16 @@ class InputProcessor:
         if not token_ids:
             raise ValueError("prompt is empty")
         return token_ids
+
+    def _check_token_ids(self, token_ids: Any) -> list[int]:
+        if not isinstance(token_ids, list) or not token_ids:
+            raise ValueError("prompt token ids must be a non-empty list of integers")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise ValueError("prompt token ids must be integers")
+        vocab = self.info.vocab_size
+        if not all(0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return list(token_ids)
 
     def _expand_images(
         self, token_ids: list[int], images: list[Image.Image]
@@ -90,14 +100,6 @@ class InputProcessor:
         return expand_image_placeholders(
             token_ids, self.info.image_token_id, self.info.num_image_tokens, pixels, hashes
         )
-
-
-def _check_token_ids(token_ids: Any) -> list[int]:
-    if not isinstance(token_ids, list) or not token_ids:
-        raise ValueError("prompt token ids must be a non-empty list of integers")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-        raise ValueError("prompt token ids must be integers")
-    return list(token_ids)
 
 
 def _images_of(mm_data: dict[str, Any]) -> list[Image.Image]:

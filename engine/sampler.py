@@ -38,6 +38,7 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop[0] = False  # even when top_p underflows float32 (1e-300 compares as 0)
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return probs
