@@ -280,7 +280,16 @@ class RayKVConnector(KVConnectorBase):
         if isinstance(remote, str):  # malformed: allocate a token so the failure is reported
             return max(1, request.num_tokens - 1 - num_computed_tokens), True
         num_new = remote.params.num_tokens - num_computed_tokens
-        return (num_new, True) if num_new > 0 else (0, False)
+        if num_new > 0:
+            return num_new, True
+        # Our prefix cache already holds every token P computed: nothing to read, so let P
+        # free its blocks now rather than at its lease.
+        self._claimed.add(request.request_id)
+        request.kv_transfer_params = _without_refs(request.kv_transfer_params)
+        self._ack(
+            request.request_id, remote.params.remote_engine_id, remote.params.remote_request_id
+        )
+        return 0, False
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
@@ -392,13 +401,14 @@ class RayKVConnector(KVConnectorBase):
         self._load_ms.add((time.perf_counter() - load.started_s) * 1e3)
         self._counters["num_loads"] += 1
         self._counters["bytes_received"] += load.nbytes
-        try:
-            self._ack_sender(load.remote_engine_id, load.remote_request_id)
-        except Exception as e:  # the producer's lease frees its blocks without the ack
-            logger.warning(
-                "request %r: ack to %r failed: %s", load.request_id, load.remote_engine_id, e
-            )
+        self._ack(load.request_id, load.remote_engine_id, load.remote_request_id)
         return True
+
+    def _ack(self, request_id: str, remote_engine_id: str, remote_request_id: str) -> None:
+        try:
+            self._ack_sender(remote_engine_id, remote_request_id)
+        except Exception as e:  # the producer's lease frees its blocks without the ack
+            logger.warning("request %r: ack to %r failed: %s", request_id, remote_engine_id, e)
 
     def _copy_in(self, arrays: list[np.ndarray], segments: list[tuple[int, int, int, int]]) -> None:
         block_shape = self._block_shape()

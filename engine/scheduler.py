@@ -249,9 +249,14 @@ class Scheduler:
     def _start_remote_load(
         self, request: Request, computed_blocks: list, num_computed: int, num_external: int
     ) -> int:
-        """Allocate blocks for the remote tokens and park the request until they land."""
+        """Allocate blocks for the whole prompt (the remote tokens and the ones computed
+        here after they land, so two landed loads can never wait on each other's blocks) and
+        park the request until the remote tokens land."""
         kv = self.kv_cache_manager
-        new_blocks = kv.allocate_slots(request, 0, num_computed, computed_blocks, num_external)
+        num_local = request.num_tokens - num_computed - num_external
+        new_blocks = kv.allocate_slots(
+            request, num_local, num_computed, computed_blocks, num_external
+        )
         if new_blocks is None:
             return _STOP
         block_ids = kv.get_block_ids(request.request_id)

@@ -49,15 +49,10 @@ def model_dir(preset_dir):
     return preset_dir("tiny-llava")
 
 
-# D's prefix cache stays off here: a D that already caches all of P's tokens neither loads
-# nor acks, pinning P's blocks until the lease (test_decode_prefix_hit_releases_prefill).
-LOAD_DECODE = {"count": 1, "num_cpus": 1, "engine": {"enable_prefix_caching": False}}
-
-
 @pytest.fixture(scope="module")
 def cluster(ray_session, model_dir):
     gateway = {"served_model_name": MODEL}
-    with start(model_dir, prefill=1, decode=LOAD_DECODE, gateway=gateway) as c:
+    with start(model_dir, prefill=1, decode=1, gateway=gateway) as c:
         yield c
 
 
@@ -285,14 +280,6 @@ def test_kv_pool_exhaustion_queues_and_preempts(ray_session, model_dir, referenc
         assert_clean(cluster, baseline)
 
 
-SCHEDULER_DEADLOCK = pytest.mark.xfail(
-    reason="engine/scheduler.py: remote loads reserve blocks for exactly the remote tokens; "
-    "two landed loads holding the whole pool each wait for one more block, nothing runs",
-    strict=False,
-)
-
-
-@SCHEDULER_DEADLOCK
 @pytest.mark.parametrize("num_requests", [2, 4])
 def test_remote_loads_of_half_the_decode_pool_do_not_deadlock(
     ray_session, model_dir, reference, num_requests
@@ -309,11 +296,6 @@ def test_remote_loads_of_half_the_decode_pool_do_not_deadlock(
         assert_clean(cluster, baseline)
 
 
-@pytest.mark.xfail(
-    reason="connectors/ray_kv.py: a D whose prefix cache already holds all of P's tokens "
-    "neither loads nor acks, so P keeps the blocks until kv_lease_s",
-    strict=False,
-)
 def test_decode_prefix_hit_releases_prefill(ray_session, model_dir):
     with start(model_dir, prefill=1, decode=1) as cluster:
         baseline = live_object_ids()
