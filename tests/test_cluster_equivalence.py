@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from engine import LLM
-from tests.cluster_utils import GREEDY, SMALL_ENGINE, mixed_prompts, start
+from tests.cluster_utils import (
+    GREEDY,
+    SMALL_ENGINE,
+    assert_clean,
+    live_object_ids,
+    mixed_prompts,
+    start,
+)
 
 TOPOLOGIES = {
     "1P1D": {"prefill": 1, "decode": 1},
@@ -46,13 +53,15 @@ def reference(model_dir):
 def test_topology_matches_colocated_and_transformers(ray_session, model_dir, reference, topology):
     prompts, expected_ids, expected_text = reference
     with start(model_dir, **TOPOLOGIES[topology]) as cluster:
+        baseline = live_object_ids()
         # Twice: the second round runs with warm prefix and encoder caches everywhere.
         for _ in range(2):
             outputs = cluster.generate(prompts, GREEDY)
             assert [o.token_ids for o in outputs] == expected_ids
             assert [o.text for o in outputs] == expected_text
             assert all(o.finish_reason == "length" for o in outputs)
-        stats = cluster.wait_idle()
+        assert_clean(cluster, baseline)
+        stats = cluster.stats()
     roles = {s["role"] for s in stats}
     if "prefill" in roles:  # the KV really went P -> D through the object store
         assert sum(s.get("num_loads", 0) for s in stats if s["role"] == "decode") > 0
