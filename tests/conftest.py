@@ -40,3 +40,19 @@ def preset_dir(tmp_path_factory):
         return made[preset]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def model_dir(preset_dir):
+    """The multimodal preset the cluster tests serve."""
+    return preset_dir("tiny-llava")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Colocated, in-process greedy outputs: what every topology must reproduce."""
+    from engine import LLM
+    from tests.cluster_utils import GREEDY, SMALL_ENGINE
+
+    llm = LLM(model_dir, **SMALL_ENGINE)
+    return lambda prompt, params=GREEDY: llm.generate(prompt, params)[0]

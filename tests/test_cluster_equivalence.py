@@ -25,11 +25,6 @@ TOPOLOGIES = {
 
 
 @pytest.fixture(scope="module")
-def model_dir(preset_dir):
-    return preset_dir("tiny-llava")
-
-
-@pytest.fixture(scope="module")
 def reference(model_dir):
     """Colocated in-process outputs, each checked once against transformers."""
     transformers = pytest.importorskip("transformers")

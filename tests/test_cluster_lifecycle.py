@@ -8,10 +8,8 @@ import dataclasses
 import pytest
 import ray
 
-from engine import LLM
 from tests.cluster_utils import (
     GREEDY,
-    SMALL_ENGINE,
     assert_clean,
     collect,
     handle,
@@ -24,17 +22,6 @@ from tests.cluster_utils import (
 )
 
 LONG = dataclasses.replace(GREEDY, max_tokens=400)
-
-
-@pytest.fixture(scope="module")
-def model_dir(preset_dir):
-    return preset_dir("tiny-llava")
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    llm = LLM(model_dir, **SMALL_ENGINE)
-    return lambda prompt, params=GREEDY: llm.generate(prompt, params)[0]
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,6 @@ NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def model_dir(preset_dir):
-    return preset_dir("tiny-llava")
-
-
-@pytest.fixture(scope="module")
 def cluster(ray_session, model_dir):
     gateway = {"served_model_name": MODEL}
     with start(model_dir, encoder=1, prefill=1, decode=1, gateway=gateway) as c:
