@@ -26,6 +26,7 @@ from engine.llm import merge_output, new_request_output
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,
+    assert_clean_but_stray_stream_items,
     collect,
     handle,
     instance_stats,
@@ -52,7 +53,7 @@ def baseline(epd):
     ids = live_object_ids()
     yield ids
     _resume_all(epd)
-    assert_clean(epd, ids)
+    assert_clean_but_stray_stream_items(epd, ids, allowed=1)  # see test_cluster_lifecycle
 
 
 def _resume_all(cluster) -> None:

@@ -18,8 +18,8 @@ from cluster.serve import gateway_app
 from engine import LLM, SamplingParams
 from tests.cluster_utils import (
     SMALL_ENGINE,
-    _describe,
     assert_clean,
+    assert_clean_but_stray_stream_items,
     live_object_ids,
     start,
 )
@@ -157,21 +157,6 @@ def assert_memory_flat(before: dict[str, int], after: dict[str, int]) -> None:
         k: (after[k] - before[k]) // 2**20 for k in before if after[k] - before[k] > RSS_SLACK_BYTES
     }
     assert not grown, f"instance memory grew (MiB): {grown}; before={before} after={after}"
-
-
-def assert_clean_but_stray_stream_items(cluster, baseline: set[str], allowed: int) -> None:
-    """`assert_clean`, except that a few items of streams that a hang-up cancelled may stay
-    pinned by the instance or router that yielded them (LOCAL_REFERENCE in that worker,
-    untouched by its garbage collection): about one per 200 hang-ups on Ray 2.60. Everything
-    else must be released: blocks, queues, transfers, the router's bookkeeping, and objects."""
-    try:
-        assert_clean(cluster, baseline, timeout_s=30)
-        return
-    except AssertionError:
-        left = live_object_ids() - baseline
-    lines = [line for line in _describe(left).splitlines() if "DynamicObjectRefGenerator" in line]
-    strays = {i for i in left if any(i in line for line in lines)}
-    assert strays == left and len(strays) <= allowed, _describe(left)
 
 
 def _load_test(cluster, base_url: str, seconds: float) -> Tally:
