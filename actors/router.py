@@ -123,15 +123,10 @@ class RouterActor:
         self, plan: Plan, request: Request
     ) -> AsyncIterator[list[EngineCoreOutput]]:
         ec_handle = self._start_encode(plan, request)
-        max_tokens = _max_tokens(request, self.config)
-        self.policy.on_decode_start(
-            plan.decode_id, request.prompt_token_ids, max_tokens, _images(request)
-        )
         try:
-            async for batch in self._stream(plan.decode_id, request, ec_handle):
+            async for batch in self._decode_on(plan.decode_id, request, ec_handle):
                 yield batch
         finally:
-            self.policy.on_decode_end(plan.decode_id, request.num_prompt_tokens + max_tokens)
             self._encode_done(plan)
 
     async def _disaggregated(
@@ -161,15 +156,23 @@ class RouterActor:
         decode_request = _for_decode(request, last.new_token_ids[0], last.kv_transfer_params)
         yield [dataclasses.replace(last, finish_reason=None, kv_transfer_params=None)]
         del last  # from here on only the decode request refers to P's KV
-        max_tokens = _max_tokens(decode_request, self.config)
+        async for batch in self._decode_on(plan.decode_id, decode_request, None):
+            yield batch
+
+    async def _decode_on(
+        self, instance_id: str, request: Request, ec_handle: list[ray.ObjectRef] | None
+    ) -> AsyncIterator[list[EngineCoreOutput]]:
+        """Stream `request` from the instance that decodes it, counting the KV tokens it
+        holds there for the load policy meanwhile."""
+        max_tokens = _max_tokens(request, self.config)
         self.policy.on_decode_start(
-            plan.decode_id, decode_request.prompt_token_ids, max_tokens, _images(request)
+            instance_id, request.prompt_token_ids, max_tokens, _images(request)
         )
         try:
-            async for batch in self._stream(plan.decode_id, decode_request, None):
+            async for batch in self._stream(instance_id, request, ec_handle):
                 yield batch
         finally:
-            self.policy.on_decode_end(plan.decode_id, decode_request.num_prompt_tokens + max_tokens)
+            self.policy.on_decode_end(instance_id, request.num_prompt_tokens + max_tokens)
 
     def _start_encode(self, plan: Plan, request: Request) -> list[ray.ObjectRef] | None:
         """Send the images to E without waiting; P gets the call's ref as its EC handle."""
