@@ -16,13 +16,13 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ray
 
+from actors.streams import OutputStreams, reap_orphans
 from connectors.ray_ec import RayECConnector
 from connectors.ray_kv import RayKVConnector
 from engine.config import EngineConfig
@@ -47,6 +47,7 @@ class InstanceSpec:
     kv_lease_s: float = 60.0
     kv_load_timeout_s: float = 60.0
     ec_timeout_s: float = 30.0
+    stream_idle_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -84,10 +85,11 @@ class InstanceActor:
         self._node_id = ray.get_runtime_context().get_node_id()
         self.core = build_core(spec)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams = OutputStreams(spec.stream_idle_timeout_s)
         self._mm_hashes: dict[str, list[str]] = {}  # encoder: request id -> its images
         self._encoded: dict[str, dict[str, np.ndarray]] = {}  # encoder: finished outputs
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._reaper: asyncio.Task | None = None
         self._stats: dict[str, Any] = {}
         self._stopping = False
         self._draining = False
@@ -99,39 +101,46 @@ class InstanceActor:
     # ---- Ray-facing API (runs on the actor's event loop) --------------------------------
     async def generate(
         self, request: Request, ec_handle: list[ray.ObjectRef] | None = None
-    ) -> AsyncIterator[list[EngineCoreOutput]]:
-        """Stream a request's outputs, batched per step. Closing the stream aborts it."""
-        stream = self._open_stream(request.request_id)
-        self._inbox.put(("add", (request, ec_handle)))
-        finished = False
+    ) -> list[EngineCoreOutput]:
+        """Start a request; returns its first batch of outputs, `next_outputs` the rest
+        (see actors/streams.py). A stream its consumer stops reading is aborted."""
+        rid = request.request_id
+        if self._streams.aborted_before_start(rid):
+            return [EngineCoreOutput(rid, [], finish_reason="abort")]
         try:
-            while not finished:
-                batch = await _drain(stream)
-                finished = batch[-1].finished
-                yield batch
-        finally:
-            self._streams.pop(request.request_id, None)
-            if not finished:
-                self._inbox.put(("abort", [request.request_id]))
+            self._open_stream(rid)
+        except ValueError as exc:
+            return [EngineCoreOutput(rid, [], finish_reason="error", error=str(exc))]
+        self._inbox.put(("add", (request, ec_handle)))
+        return await self._streams.next_batch(rid)
+
+    async def next_outputs(self, request_id: str) -> list[EngineCoreOutput]:
+        """The outputs a started request produced since the last call (at least one)."""
+        return await self._streams.next_batch(request_id)
 
     async def encode(self, request: Request) -> dict[str, np.ndarray]:
         """Encoder role: the encoder outputs of every image of `request`, by mm_hash."""
         if self.spec.role != "encoder":
             raise ValueError(f"instance {self.spec.instance_id} is not an encoder")
-        stream = self._open_stream(request.request_id)
+        self._open_stream(request.request_id)
         self._mm_hashes[request.request_id] = [f.mm_hash for f in request.mm_features]
         self._inbox.put(("add", (request, None)))
         try:
-            out = (await _drain(stream))[-1]
+            out = (await self._streams.next_batch(request.request_id))[-1]
         finally:
-            self._streams.pop(request.request_id, None)
+            self._mm_hashes.pop(request.request_id, None)
         outputs = self._encoded.pop(request.request_id, {})
         if out.finish_reason == "error":
             raise ValueError(out.error or "encoding failed")
         return outputs
 
     async def abort(self, request_ids: list[str]) -> None:
-        self._inbox.put(("abort", list(request_ids)))
+        self._abort(list(request_ids))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._streams.close(request_id)
+        self._inbox.put(("abort", request_ids))
 
     async def ack_kv(self, request_id: str) -> None:
         """A consumer has read this request's KV (producer role)."""
@@ -141,7 +150,7 @@ class InstanceActor:
             self._inbox.put(("wake", None))  # an idle loop steps to free the blocks
 
     async def stats(self) -> dict[str, Any]:
-        return dict(self._stats)
+        return {**self._stats, "num_streams": len(self._streams)}
 
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stopping
@@ -169,14 +178,11 @@ class InstanceActor:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
         self.core.shutdown()
 
-    def _open_stream(self, request_id: str) -> asyncio.Queue:
+    def _open_stream(self, request_id: str) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        return stream
+            self._reaper = self._loop.create_task(reap_orphans(self._streams, self._abort))
+        self._streams.open(request_id)
 
     # ---- the step loop (its own thread) -------------------------------------------------
     def _run(self) -> None:
@@ -235,17 +241,20 @@ class InstanceActor:
             if ec_handle and isinstance(ec, RayECConnector):
                 ec.add_handle(request.request_id, ec_handle)
         elif command == "abort":
-            self.core.abort_requests(arg)
-            for request_id in arg:  # an open stream learns of its abort
-                self._deliver(EngineCoreOutput(request_id, [], finish_reason="abort"))
+            self.core.abort_requests(arg)  # their streams were closed already
 
     def _deliver(self, out: EngineCoreOutput) -> None:
+        if self._loop is None:
+            return
         if self.spec.role == "encoder" and out.finished:
             hashes = self._mm_hashes.pop(out.request_id, [])
-            self._encoded[out.request_id] = self.core.ec_connector.take_outputs(hashes)
-        stream = self._streams.get(out.request_id)
-        if stream is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(stream.put_nowait, out)
+            outputs = self.core.ec_connector.take_outputs(hashes)
+            self._loop.call_soon_threadsafe(self._keep_encoded, out.request_id, outputs)
+        self._loop.call_soon_threadsafe(self._streams.put, out)
+
+    def _keep_encoded(self, request_id: str, outputs: dict[str, np.ndarray]) -> None:
+        if request_id in self._streams:  # else `encode` was aborted and returned
+            self._encoded[request_id] = outputs
 
     def _fail_all(self, message: str) -> None:
         """Finish every request with an error (after an internal failure or at shutdown)."""
@@ -267,11 +276,3 @@ class InstanceActor:
         stats["num_steps"] = self._num_steps
         stats["paused"] = self._paused.is_set()
         self._stats = stats
-
-
-async def _drain(stream: asyncio.Queue) -> list[EngineCoreOutput]:
-    """Wait for one output, then take every other one already queued (one batch per yield)."""
-    batch = [await stream.get()]
-    while not stream.empty():
-        batch.append(stream.get_nowait())
-    return batch

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from actors.streams import abandon
+from actors.streams import OutputStreams, reap_orphans
 from cluster.router import Plan, RouterConfig, RouterPolicy
 from engine.outputs import EngineCoreOutput
 from engine.request import Request
@@ -48,36 +48,34 @@ class RouterActor:
         self.handles: dict[str, ActorHandle] = {iid: ray.get_actor(iid) for iid in roles}
         self.policy = RouterPolicy(dict(roles), config)
         self._holders: dict[str, set[str]] = {}  # request id -> instances holding its state
-        self._health_task: asyncio.Task | None = None
+        self._tasks: dict[str, asyncio.Task] = {}  # request id -> the task serving it
+        self._streams = OutputStreams(config.stream_idle_timeout_s)
+        self._background: list[asyncio.Task] = []
 
     # ---- public API --------------------------------------------------------------------
-    async def generate(self, request: Request) -> AsyncIterator[list[EngineCoreOutput]]:
-        """Stream one request's outputs (batches of EngineCoreOutput) until it finishes."""
-        self._start_health_checks()
+    async def generate(self, request: Request) -> list[EngineCoreOutput]:
+        """Start serving a request; returns its first batch of outputs, `next_outputs` the
+        rest (see actors/streams.py). A stream its client stops reading is aborted."""
+        self._start_background_tasks()
         rid = request.request_id
-        if rid in self._holders:
-            yield [_error(rid, f"request id {rid!r} is already in use")]
-            return
-        self._holders[rid] = set()
-        finished = False
-        try:
-            async for batch in self._serve(request):
-                finished = batch[-1].finished
-                yield batch
-        except RuntimeError as exc:  # no live instance, or one died mid-request
-            await self.abort(rid)  # survivors may hold its state, e.g. P's KV for a dead D
-            finished = True
-            yield [_error(rid, str(exc))]
-        finally:
-            if not finished:
-                await self.abort(rid)
-            self._holders.pop(rid, None)
+        if self._streams.aborted_before_start(rid):
+            return [EngineCoreOutput(rid, [], finish_reason="abort")]
+        if rid in self._tasks or rid in self._streams:
+            return [_error(rid, f"request id {rid!r} is already in use")]
+        self._streams.open(rid)
+        task = asyncio.get_running_loop().create_task(self._run(request))
+        task.add_done_callback(lambda _: self._tasks.pop(rid, None))  # even if never run
+        self._tasks[rid] = task
+        return await self._streams.next_batch(rid)
+
+    async def next_outputs(self, request_id: str) -> list[EngineCoreOutput]:
+        """The outputs a started request produced since the last call (at least one)."""
+        return await self._streams.next_batch(request_id)
 
     async def abort(self, request_id: str) -> None:
-        """Abort everywhere the request holds state (queued, deferred, prefilling, held
-        for D, loading on D, decoding)."""
-        for iid in self._holders.get(request_id, ()):
-            self.handles[iid].abort.remote([request_id])
+        """Stop serving a request: it is aborted everywhere it holds state (queued,
+        deferred, prefilling, held for D, loading on D, decoding)."""
+        self._abort([request_id])
 
     async def cluster_stats(self) -> list[dict[str, Any]]:
         ids = list(self.handles)
@@ -95,9 +93,40 @@ class RouterActor:
         return stats
 
     async def num_in_flight(self) -> int:
-        return len(self._holders)
+        """Requests being served, or whose outputs await their client."""
+        return len(self._tasks.keys() | set(self._streams))
 
     # ---- flows -------------------------------------------------------------------------
+    async def _run(self, request: Request) -> None:
+        """Serve one request into its stream; cancelled by `abort`."""
+        rid = request.request_id
+        self._holders[rid] = set()
+        finished = False
+        try:
+            async for batch in self._serve(request):
+                finished = batch[-1].finished
+                for out in batch:
+                    self._streams.put(out)
+        except RuntimeError as exc:  # no live instance, or one died mid-request
+            self._abort_holders(rid)  # survivors may hold its state, e.g. P's KV for a dead D
+            finished = True
+            self._streams.put(_error(rid, str(exc)))
+        finally:
+            if not finished:
+                self._abort_holders(rid)
+            del self._holders[rid]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            task = self._tasks.get(rid)
+            if task is not None:
+                task.cancel()  # its `finally` aborts the request on the instances
+            self._streams.close(rid)
+
+    def _abort_holders(self, request_id: str) -> None:
+        for iid in self._holders.get(request_id, ()):
+            self.handles[iid].abort.remote([request_id])
+
     async def _serve(self, request: Request) -> AsyncIterator[list[EngineCoreOutput]]:
         """Plan and run the request. When an instance dies before anything reached the
         client, the request is planned again, once, around it (a second death is an error:
@@ -116,7 +145,7 @@ class RouterActor:
                 if yielded or attempt == MAX_RETRIES:
                     raise
                 logger.warning("request %r: %s; planning it again", rid, exc)
-                await self.abort(rid)  # e.g. E's encode for the lost attempt
+                self._abort_holders(rid)  # e.g. E's encode for the lost attempt
                 self._holders[rid] = set()
 
     async def _colocated(
@@ -189,26 +218,33 @@ class RouterActor:
     async def _stream(
         self, instance_id: str, request: Request, ec_handle: list[ray.ObjectRef] | None
     ) -> AsyncIterator[list[EngineCoreOutput]]:
-        self._holders[request.request_id].add(instance_id)
-        refs = self.handles[instance_id].generate.remote(request, ec_handle)
-        ref, finished = None, False
+        rid = request.request_id
+        self._holders[rid].add(instance_id)
+        handle = self.handles[instance_id]
+        finished = False
         try:
-            async for ref in refs:
-                batch = await ref
+            batch = await handle.generate.remote(request, ec_handle)
+            while True:
                 finished = batch[-1].finished
                 yield batch
+                if finished:
+                    return
+                batch = await handle.next_outputs.remote(rid)
         except ray.exceptions.RayActorError as exc:
             self.policy.mark_dead(instance_id)
             raise InstanceDied(f"instance {instance_id} died serving the request") from exc
         finally:
             if not finished:
-                abandon(refs)  # the instance aborts the request
-            del refs, ref  # a cancelled caller's traceback keeps this frame alive
+                handle.abort.remote([rid])
 
     # ---- health ------------------------------------------------------------------------
-    def _start_health_checks(self) -> None:
-        if self._health_task is None:
-            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+    def _start_background_tasks(self) -> None:
+        if not self._background:
+            loop = asyncio.get_running_loop()
+            self._background = [
+                loop.create_task(self._health_loop()),
+                loop.create_task(reap_orphans(self._streams, self._abort)),
+            ]
 
     async def _health_loop(self) -> None:
         while True:

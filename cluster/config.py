@@ -78,6 +78,9 @@ class RouterSettings(_Strict):
     decode_prefix_fraction: float = Field(
         0.8, gt=0, le=1, description="prefill on D when D caches this fraction of the prompt"
     )
+    stream_idle_timeout_s: float = Field(
+        60.0, gt=0, description="abort a request whose output nobody read for this long"
+    )
 
 
 class GatewaySettings(_Strict):

@@ -23,7 +23,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.instance import InstanceActor, InstanceSpec
 from actors.router import RouterActor
-from actors.streams import abandon
 from cluster.config import ROLES, ClusterConfig
 from cluster.router import RouterConfig
 from engine.llm import RequestOutput, merge_output, new_request_output
@@ -77,25 +76,23 @@ class Cluster:
 
     async def stream(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
         """Outputs of one request as they arrive; leaving early aborts it everywhere."""
+        rid = request.request_id
         finished = False
-        refs = self.router.generate.remote(request)
-        ref = None
         try:
-            async for ref in refs:
-                for out in await ref:
+            batch = await self.router.generate.remote(request)
+            while True:
+                for out in batch:
                     finished = finished or out.finished
                     yield out
+                if finished:
+                    return
+                batch = await self.router.next_outputs.remote(rid)
         except ray.exceptions.RayError as exc:  # e.g. the router died mid-request
             finished = True
-            yield EngineCoreOutput(
-                request.request_id, [], finish_reason="error", error=f"router failed: {exc}"
-            )
+            yield EngineCoreOutput(rid, [], finish_reason="error", error=f"router failed: {exc}")
         finally:
             if not finished:
-                self.router.abort.remote(request.request_id)
-                abandon(refs)
-            # A cancelled caller's traceback keeps this frame: drop the refs explicitly.
-            del refs, ref
+                self.router.abort.remote(rid)
 
     async def generate_async(
         self,
@@ -171,7 +168,14 @@ class Cluster:
 
 
 def _idle(stats: dict[str, Any]) -> bool:
-    held = ("num_running", "num_waiting", "num_deferred", "num_pending_sends", "num_pending_recvs")
+    held = (
+        "num_running",
+        "num_waiting",
+        "num_deferred",
+        "num_pending_sends",
+        "num_pending_recvs",
+        "num_streams",
+    )
     return stats.get("num_blocks_free") == stats.get("num_blocks_total") and not any(
         stats.get(k) for k in held
     )
@@ -272,6 +276,7 @@ def _start_instance(
         kv_lease_s=config.connector.kv_lease_s,
         kv_load_timeout_s=config.connector.kv_load_timeout_s,
         ec_timeout_s=config.connector.ec_timeout_s,
+        stream_idle_timeout_s=config.router.stream_idle_timeout_s,
     )
     return (
         ray.remote(InstanceActor)
@@ -300,4 +305,5 @@ def _router_config(config: ClusterConfig) -> RouterConfig:
         prefix_slack_tokens=r.prefix_slack_tokens,
         disagg_min_prompt_tokens=r.disagg_min_prompt_tokens,
         decode_prefix_fraction=r.decode_prefix_fraction,
+        stream_idle_timeout_s=r.stream_idle_timeout_s,
     )

@@ -28,6 +28,8 @@ class RouterConfig:
     # Prefill on D when it already caches at least this fraction of the prompt (1.0: never).
     decode_prefix_fraction: float = 0.8
     max_tracked_blocks: int = 65536  # per instance, for prefix-aware routing
+    # A request whose output stream nobody read for this long lost its client: abort it.
+    stream_idle_timeout_s: float = 60.0
 
 
 @dataclass

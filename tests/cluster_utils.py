@@ -135,18 +135,3 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
             return True
         await asyncio.sleep(0.02)
     return predicate()
-
-
-def assert_clean_but_stray_stream_items(cluster, baseline: set[str], allowed: int) -> None:
-    """`assert_clean`, except that a few items of streams that a hang-up cancelled may stay
-    pinned by the instance or router that yielded them (LOCAL_REFERENCE in that worker,
-    untouched by its garbage collection): about one per 200 hang-ups on Ray 2.60. Everything
-    else must be released: blocks, queues, transfers, the router's bookkeeping, and objects."""
-    try:
-        assert_clean(cluster, baseline, timeout_s=30)
-        return
-    except AssertionError:
-        left = live_object_ids() - baseline
-    lines = [line for line in _describe(left).splitlines() if "DynamicObjectRefGenerator" in line]
-    strays = {i for i in left if any(i in line for line in lines)}
-    assert strays == left and len(strays) <= allowed, _describe(left)

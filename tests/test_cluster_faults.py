@@ -26,7 +26,6 @@ from engine.llm import merge_output, new_request_output
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,
-    assert_clean_but_stray_stream_items,
     collect,
     handle,
     instance_stats,
@@ -53,7 +52,7 @@ def baseline(epd):
     ids = live_object_ids()
     yield ids
     _resume_all(epd)
-    assert_clean_but_stray_stream_items(epd, ids, allowed=1)  # see test_cluster_lifecycle
+    assert_clean(epd, ids)
 
 
 def _resume_all(cluster) -> None:

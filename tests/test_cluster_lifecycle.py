@@ -11,7 +11,6 @@ import ray
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,
-    assert_clean_but_stray_stream_items,
     collect,
     handle,
     instance_stats,
@@ -37,9 +36,7 @@ def baseline(epd):
     yield ids
     for role in ("encoder", "prefill", "decode"):
         ray.get(handle(epd, role).resume.remote())
-    # Cancelled streams can, rarely, leave one item pinned (a known Ray streaming issue,
-    # see the README's Reliability section); anything else held fails the test.
-    assert_clean_but_stray_stream_items(epd, ids, allowed=1)
+    assert_clean(epd, ids)
 
 
 def mm_prompt(seed: int) -> dict:
@@ -160,4 +157,21 @@ def test_lease_frees_blocks_when_decode_never_acks(ray_session, model_dir, refer
         assert wait_until(lambda: instance_stats(cluster, "prefill")["acks_ignored"] == 1), str(
             instance_stats(cluster, "decode")
         ) + str(instance_stats(cluster, "prefill"))
+        assert_clean(cluster, baseline)
+
+
+def test_a_client_that_stops_reading_has_its_request_aborted(ray_session, model_dir):
+    """A client that dies without aborting: the router aborts its request once nobody has
+    read the stream for `stream_idle_timeout_s`, and every instance ends idle."""
+    router = {"stream_idle_timeout_s": 1.0}
+    with start(model_dir, prefill=1, decode=1, router=router) as cluster:
+        baseline = live_object_ids()
+        request = cluster.make_request("nobody reads this", LONG)
+        first = ray.get(cluster.router.generate.remote(request))  # then the client "dies"
+        assert first[0].request_id == request.request_id and not first[-1].finished
+        decode = handle(cluster, "decode")
+        assert wait_until(lambda: instance_stats(cluster, "decode")["num_running"] == 1)
+        ray.get(decode.pause.remote())  # from here only an abort can end the request
+        assert wait_until(lambda: instance_stats(cluster, "decode")["num_running"] == 0)
+        ray.get(decode.resume.remote())
         assert_clean(cluster, baseline)

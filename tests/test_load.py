@@ -19,7 +19,6 @@ from engine import LLM, SamplingParams
 from tests.cluster_utils import (
     SMALL_ENGINE,
     assert_clean,
-    assert_clean_but_stray_stream_items,
     live_object_ids,
     start,
 )
@@ -168,7 +167,7 @@ def _load_test(cluster, base_url: str, seconds: float) -> Tally:
     tally = run_load(base_url, seconds, seed=2)
     assert not tally.errors, f"{len(tally.errors)} failed: {tally.errors[:5]}"
     assert tally.completed >= NUM_CLIENTS and tally.disconnected > 0, tally
-    assert_clean_but_stray_stream_items(cluster, baseline, allowed=1 + tally.disconnected // 50)
+    assert_clean(cluster, baseline)
     assert all(s["healthy"] for s in cluster.stats())
     assert_memory_flat(before, private_rss(cluster))
     return tally
