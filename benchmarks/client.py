@@ -5,14 +5,22 @@ the first streamed token (TTFT), the gaps between streamed chunks (ITL), the end
 latency and the exact output token count (from the usage chunk). A run stops itself at
 `max_run_s`: requests not yet answered then are cancelled (which aborts them server-side)
 and counted as errors.
+
+`ClientProcess` sends requests one at a time from a separate process, over one keep-alive
+connection: what a real client does, and no competition for the GIL of a gateway served in
+the calling process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import multiprocessing
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -164,3 +172,75 @@ async def run_load(
         duration = time.perf_counter() - start
     bar.close()
     return RunOutcome(results, duration)
+
+
+class ClientProcess:
+    """Streaming requests sent one at a time by a child process (spawned: the caller may run
+    Ray and threads) over one keep-alive connection, opened before the first request."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_client_process_main, args=(child, url, api_key), daemon=True
+        )
+        self._process.start()
+        child.close()
+        try:
+            error = self._receive()
+        except BaseException:
+            self.close()
+            raise
+        if error is not None:
+            self.close()
+            raise RuntimeError(f"the client process cannot reach {url}: {error}")
+
+    def send(self, request: PreparedRequest) -> RequestResult:
+        """Stream one request to its end; its timings are taken in the child process."""
+        self._conn.send(request)
+        return self._receive()
+
+    def _receive(self) -> Any:
+        if not self._conn.poll(self.timeout_s):
+            raise TimeoutError(f"the client process did not answer in {self.timeout_s} s")
+        return self._conn.recv()
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            with contextlib.suppress(OSError):  # it may be exiting already
+                self._conn.send(None)
+            self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+    def __enter__(self) -> ClientProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _client_process_main(conn: Connection, url: str, api_key: str | None) -> None:
+    asyncio.run(_client_process_loop(conn, url, api_key))
+
+
+async def _client_process_loop(conn: Connection, url: str, api_key: str | None) -> None:
+    """Answer None (or the error) once connected; then one RequestResult per request, until
+    None. Waiting on the pipe blocks this process's only loop, which has nothing else to do."""
+    async with make_client(api_key) as client:
+        try:
+            (await client.get(f"{url}/v1/models")).raise_for_status()
+        except httpx.HTTPError as exc:
+            conn.send(f"{type(exc).__name__}: {exc}")
+            return
+        conn.send(None)
+        while (request := conn.recv()) is not None:
+            conn.send(await stream_one(client, url, request, RequestResult(request.spec)))

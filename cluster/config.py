@@ -88,6 +88,9 @@ class GatewaySettings(_Strict):
     port: int = Field(8000, ge=0, le=65535, description="listen port (0: any free port)")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="request body limit")
+    max_batch_prompts: int = Field(
+        64, ge=1, le=4096, description="prompts one /v1/completions request may batch"
+    )
     allowed_image_hosts: list[str] = Field(
         default_factory=list, description="hosts that http(s) image URLs may name (none: refuse)"
     )

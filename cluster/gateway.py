@@ -7,25 +7,30 @@ aborts its request on every instance that holds state for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import re
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlparse
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster.config import GatewaySettings
 from cluster.metrics import GatewayMetrics
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.sse import DONE, ChunkEncoder, EventStreamResponse
 from engine.multimodal import decode_data_url, load_image
 from engine.outputs import EngineCoreOutput
 from engine.request import Request as EngineRequest
@@ -36,6 +41,8 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 DISCONNECT_POLL_S = 0.1
 IMAGE_FETCH_TIMEOUT_S = 10.0
 COMPONENTS = "#/components/schemas/"
+# A \uXXXX escape of a UTF-16 surrogate: only through one can an ASCII body hold a lone one.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class ClusterClient(Protocol):
@@ -88,17 +95,7 @@ def create_app(
     app = FastAPI(title="pdcluster", version="0.1.0")
     metrics = GatewayMetrics()
     gw = _Gateway(cluster, settings, model_name, max_model_len, metrics)
-
-    @app.middleware("http")
-    async def guard(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        try:
-            gw.authorize(request)
-            gw.check_size(request)
-        except APIError as exc:
-            return exc.response()
-        return await call_next(request)
+    app.add_middleware(_Guard, gateway=gw)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -159,6 +156,25 @@ def create_app(
     return app
 
 
+class _Guard:
+    """API key and declared body size, checked before routing. A plain ASGI middleware: an
+    `@app.middleware("http")` one would pass every request and streamed chunk through a
+    task group and memory streams (a fraction of a millisecond each)."""
+
+    def __init__(self, app: ASGIApp, gateway: _Gateway) -> None:
+        self.app, self.gateway = app, gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            try:
+                self.gateway.authorize(scope)
+                self.gateway.check_size(scope)
+            except APIError as exc:
+                await exc.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _request_body(model: type[BaseModel]) -> dict[str, Any]:
     """OpenAPI for a body the handler parses itself (so its errors stay OpenAI-shaped)."""
     ref = {"$ref": f"{COMPONENTS}{model.__name__}"}
@@ -213,16 +229,19 @@ class _Gateway:
         self.created = int(time.time())
 
     # ---- guards ----------------------------------------------------------------------
-    def authorize(self, request: Request) -> None:
+    def authorize(self, scope: Scope) -> None:
         key = self.settings.api_key
-        if key is None or not request.url.path.startswith("/v1/"):
+        if key is None:
+            return
+        request = Request(scope)
+        if not request.url.path.startswith("/v1/"):
             return
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise APIError(401, "missing or invalid API key", "invalid_api_key")
 
-    def check_size(self, request: Request) -> None:
-        length = request.headers.get("content-length")
+    def check_size(self, scope: Scope) -> None:
+        length = Headers(scope=scope).get("content-length")
         if length is not None and (
             not length.isdigit() or int(length) > self.settings.max_body_bytes
         ):
@@ -246,7 +265,8 @@ class _Gateway:
         try:
             data = json.loads(body, parse_constant=_reject_constant)
             # Strings reach the tokenizer: a lone surrogate (\ud800) is not text.
-            json.dumps(data, ensure_ascii=False).encode()
+            if not body.isascii() or SURROGATE_ESCAPE.search(body):
+                json.dumps(data, ensure_ascii=False).encode()
         except UnicodeEncodeError:
             raise APIError(400, "request body holds invalid Unicode", "invalid_json") from None
         except (ValueError, RecursionError) as exc:
@@ -276,6 +296,14 @@ class _Gateway:
         body = await self.parse(http, CompletionRequest)
         try:
             prompts = body.prompts()
+            limit = self.settings.max_batch_prompts
+            if len(prompts) > limit:
+                raise APIError(
+                    400,
+                    f"prompt: a batch holds at most {limit} prompts, this one {len(prompts)}",
+                    "invalid_value",
+                    "prompt",
+                )
             requests = [
                 self._make(p, body.sampling_params(body.max_tokens, body.logprobs)) for p in prompts
             ]
@@ -284,7 +312,7 @@ class _Gateway:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._sse(self._completion_chunks(rid, requests, include_usage), requests)
+            return EventStreamResponse(self._completion_chunks(rid, requests, include_usage))
         results = await self._run_to_end(http, requests)
         choices = [
             {
@@ -321,7 +349,7 @@ class _Gateway:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._sse(self._chat_chunks(rid, requests[0], include_usage), requests)
+            return EventStreamResponse(self._chat_chunks(rid, requests[0], include_usage))
         result = (await self._run_to_end(http, requests))[0]
         choice = {
             "index": 0,
@@ -372,14 +400,10 @@ class _Gateway:
         return await asyncio.to_thread(load_image, data)
 
     # ---- running ---------------------------------------------------------------------
-    async def _stream_one(
-        self,
-        index: int,
-        request: EngineRequest,
-        sink: Callable[[int, EngineCoreOutput, _Result], None],
-    ) -> _Result:
-        """Drive one request, recording latency metrics; `sink` sees every output."""
-        result = _Result(index, request.num_prompt_tokens)
+    async def _outputs(
+        self, result: _Result, request: EngineRequest
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
+        """Drive one request, accumulating `result` and recording latency metrics."""
         start = last = time.perf_counter()
         self.metrics.prompt_tokens.inc(request.num_prompt_tokens)
         async for out in self.cluster.stream(request):
@@ -393,14 +417,19 @@ class _Gateway:
             result.logprobs += out.new_logprobs or []
             if out.finished:
                 result.finish_reason, result.error = out.finish_reason, out.error
-            sink(index, out, result)
+            yield out
         self.metrics.e2e.observe(time.perf_counter() - start)
         self.metrics.requests.labels(result.finish_reason or "abort").inc()
+
+    async def _collect(self, index: int, request: EngineRequest) -> _Result:
+        result = _Result(index, request.num_prompt_tokens)
+        async for _ in self._outputs(result, request):
+            pass
         return result
 
     async def _run_to_end(self, http: Request, requests: list[EngineRequest]) -> list[_Result]:
         """Non-streaming: all prompts at once; a client that disconnects aborts them."""
-        work = asyncio.gather(*(self._stream_one(i, r, _ignore) for i, r in enumerate(requests)))
+        work = asyncio.gather(*(self._collect(i, r) for i, r in enumerate(requests)))
         watch = asyncio.ensure_future(_wait_disconnect(http))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -415,29 +444,23 @@ class _Gateway:
             raise APIError(500, failed[0].error or "the request failed", "request_failed")
         return results
 
-    def _sse(
-        self, chunks: AsyncIterator[dict[str, Any]], requests: list[EngineRequest]
-    ) -> StreamingResponse:
-        async def body() -> AsyncIterator[str]:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(
-            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
-
     async def _merged(
         self, requests: list[EngineRequest]
-    ) -> AsyncIterator[tuple[int, EngineCoreOutput, _Result]]:
-        """Outputs of several requests as they arrive (cancelling this aborts all of them)."""
+    ) -> AsyncGenerator[tuple[int, EngineCoreOutput, _Result], None]:
+        """Outputs of several requests as they arrive (closing this aborts all of them)."""
+        results = [_Result(i, r.num_prompt_tokens) for i, r in enumerate(requests)]
+        if len(requests) == 1:  # no task and queue hop between the cluster and the client
+            async with contextlib.aclosing(self._outputs(results[0], requests[0])) as outputs:
+                async for out in outputs:
+                    yield 0, out, results[0]
+            return
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [
-            asyncio.ensure_future(
-                self._stream_one(i, r, lambda i, o, res: queue.put_nowait((i, o, res)))
-            )
-            for i, r in enumerate(requests)
-        ]
+
+        async def pump(result: _Result, request: EngineRequest) -> None:
+            async for out in self._outputs(result, request):
+                queue.put_nowait((result.index, out, result))
+
+        tasks = [asyncio.ensure_future(pump(*pair)) for pair in zip(results, requests)]
         remaining = len(requests)
         try:
             while remaining:
@@ -450,65 +473,50 @@ class _Gateway:
 
     async def _completion_chunks(
         self, rid: str, requests: list[EngineRequest], include_usage: bool
-    ) -> AsyncIterator[dict[str, Any]]:
-        base = {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
+    ) -> AsyncGenerator[bytes, None]:
+        sse = ChunkEncoder(rid, "text_completion", int(time.time()), self.model_name)
         results: dict[int, _Result] = {}
-        async for index, out, result in self._merged(requests):
-            results[index] = result
-            choice = {
-                "index": index,
-                "text": out.new_text,
-                "logprobs": None,
-                "finish_reason": out.finish_reason,
-            }
-            if out.finish_reason == "error":
-                choice["error"] = out.error
-            yield {**base, "choices": [choice]}
+        async with contextlib.aclosing(self._merged(requests)) as outputs:
+            async for index, out, result in outputs:
+                results[index] = result
+                choice = {
+                    "index": index,
+                    "text": out.new_text,
+                    "logprobs": None,
+                    "finish_reason": out.finish_reason,
+                }
+                if out.finish_reason == "error":
+                    choice["error"] = out.error
+                yield sse.event([choice])
         if include_usage:
-            yield {**base, "choices": [], "usage": _usage(list(results.values()))}
+            yield sse.event([], _usage(list(results.values())))
+        yield DONE
 
     async def _chat_chunks(
         self, rid: str, request: EngineRequest, include_usage: bool
-    ) -> AsyncIterator[dict[str, Any]]:
-        base = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": self.model_name,
-        }
-        yield {
-            **base,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ],
-        }
+    ) -> AsyncGenerator[bytes, None]:
+        sse = ChunkEncoder(rid, "chat.completion.chunk", int(time.time()), self.model_name)
+        role = {"role": "assistant", "content": ""}
+        yield sse.event([{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}])
         final = None
-        async for _, out, result in self._merged([request]):
-            final = result
-            if not out.new_text and not out.finished:
-                continue  # text held back (an incomplete character, a possible stop string)
-            delta = {"content": out.new_text} if out.new_text else {}
-            choice = {
-                "index": 0,
-                "delta": delta,
-                "logprobs": None,
-                "finish_reason": out.finish_reason,
-            }
-            if out.finish_reason == "error":
-                choice["error"] = out.error
-            yield {**base, "choices": [choice]}
+        async with contextlib.aclosing(self._merged([request])) as outputs:
+            async for _, out, result in outputs:
+                final = result
+                if not out.new_text and not out.finished:
+                    continue  # text held back (an incomplete character, a possible stop string)
+                delta = {"content": out.new_text} if out.new_text else {}
+                choice = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": out.finish_reason,
+                }
+                if out.finish_reason == "error":
+                    choice["error"] = out.error
+                yield sse.event([choice])
         if include_usage and final is not None:
-            yield {**base, "choices": [], "usage": _usage([final])}
+            yield sse.event([], _usage([final]))
+        yield DONE
 
     # ---- logprobs --------------------------------------------------------------------
     def _completion_logprobs(self, r: _Result, logprobs: int | None) -> dict[str, Any] | None:
@@ -566,10 +574,6 @@ def _is_type_tag(part: str | int) -> bool:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
-
-
-def _ignore(*_: Any) -> None:
-    return None
 
 
 async def _wait_disconnect(http: Request) -> None:

@@ -158,6 +158,29 @@ def test_completion_errors_are_openai_shaped_4xx(base_url, body, status, needle)
     assert needle in error["message"] and error["type"]
 
 
+def test_batches_of_prompts_are_bounded(base_url, cluster):
+    limit = GatewaySettings().max_batch_prompts
+    body = {"model": MODEL, "prompt": ["x"] * (limit + 1), "max_tokens": 1}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert f"at most {limit} prompts" in error["message"] and error["param"] == "prompt"
+    # Every prompt of a batch is checked against the context length.
+    too_long = [[9, 10], [9] * (cluster.max_model_len + 1)]
+    body = {"model": MODEL, "prompt": too_long, "max_tokens": 1}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400 and "context length" in response.json()["error"]["message"]
+
+    settings = GatewaySettings(max_batch_prompts=2)
+    with running(create_app(cluster, settings, MODEL, cluster.max_model_len)) as url:
+        body = {"model": MODEL, "prompt": [[9, 10]] * 3, "max_tokens": 1, "stream": True}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 400 and "at most 2 prompts" in response.text
+        body["prompt"] = [[9, 10], [11]]
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+
+
 @pytest.mark.parametrize(
     ("raw", "needle"),
     [

@@ -1,0 +1,76 @@
+"""Server-sent events of the OpenAI streaming APIs: chunk encoding and the response.
+
+Every chunk of one response shares its `id`, `object`, `created` and `model`: they are
+encoded once, and each chunk encodes only its choices (and usage). The bytes equal
+`json.dumps({**base, "choices": choices, ...}, separators=(",", ":"))`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+DONE = b"data: [DONE]\n\n"
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
+class ChunkEncoder:
+    """`data: {...}\\n\\n` events of one streamed response."""
+
+    def __init__(self, rid: str, obj: str, created: int, model: str) -> None:
+        base = {"id": rid, "object": obj, "created": created, "model": model}
+        self._head = b"data: " + _encode(base)[:-1].encode() + b',"choices":'
+
+    def event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        tail = "}\n\n" if usage is None else f',"usage":{_encode(usage)}}}\n\n'
+        return self._head + (_encode(choices) + tail).encode()
+
+
+class EventStreamResponse(StreamingResponse):
+    """A `text/event-stream` response of already-encoded events.
+
+    One task streams the events (no per-event hop through a task group or memory stream)
+    while the request's task waits for it or for the client to go away, whichever comes
+    first; then the stream is cancelled, and closing `events` runs its cleanup, which
+    aborts the engine requests it drives.
+    """
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        headers = {"Cache-Control": "no-cache"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self._stream(send))
+        watcher = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            await asyncio.wait((stream, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not stream.done():
+                stream.cancel()
+                await asyncio.wait((stream,))
+            await self.events.aclose()  # its cleanup (the abort) runs before we end
+        if not stream.cancelled():
+            stream.result()  # an error while streaming propagates
+        if self.background is not None:
+            await self.background()
+
+    async def _stream(self, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        async for event in self.events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    with contextlib.suppress(OSError):
+        while (await receive())["type"] != "http.disconnect":
+            pass
