@@ -337,7 +337,9 @@ class _Gateway:
     async def chat_completions(self, http: Request) -> Response:
         body = await self.parse(http, ChatCompletionRequest)
         try:
-            token_ids = self.cluster.tokenizer.encode_chat(body.template_messages())
+            tokenizer = self.cluster.tokenizer
+            text = self._fits(tokenizer.apply_chat_template(body.template_messages()))
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
             images = [await self._fetch_image(url) for url in body.image_urls()]
             prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
             if images:
@@ -369,7 +371,20 @@ class _Gateway:
         )
 
     # ---- request building ------------------------------------------------------------
+    def _fits(self, text: str) -> str:
+        """Refuse, before tokenizing it (which holds the event loop), a text too long to
+        fit the context whatever its tokens: each token spells at most max_token_chars
+        characters (twice that allows for normalizers that shorten text)."""
+        if len(text) > 2 * self.max_model_len * self.cluster.tokenizer.max_token_chars:
+            raise ValueError(
+                f"prompt has {len(text)} characters, more than this model's maximum context "
+                f"length of {self.max_model_len} tokens can hold"
+            )
+        return text
+
     def _make(self, prompt: Any, params: SamplingParams) -> EngineRequest:
+        if isinstance(prompt, str):
+            self._fits(prompt)
         request = self.cluster.make_request(prompt, params, f"req-{uuid.uuid4().hex}")
         room = self.max_model_len - request.num_prompt_tokens
         if room < 1:

@@ -126,6 +126,12 @@ class Tokenizer:
         return list(dict.fromkeys(ids))
 
     @cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's spelling in the vocabulary: a text of n characters holds at
+        least n / max_token_chars tokens (before normalization)."""
+        return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+    @cached_property
     def special_ids(self) -> frozenset[int]:
         added = self._tokenizer.get_added_tokens_decoder()
         return frozenset(i for i, token in added.items() if token.special)

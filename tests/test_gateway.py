@@ -143,6 +143,7 @@ def test_chat_streaming_with_image(client, model_dir, reference, cluster):
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "context length"),
         ({"model": MODEL, "prompt": "x " * 3000}, 400, "context length"),
+        ({"model": MODEL, "prompt": "x" * 4_000_000}, 400, "characters"),  # never tokenized
         ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
         ({"model": MODEL, "prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
@@ -269,3 +270,10 @@ def test_body_size_limit(cluster):
         body = json.dumps({"model": MODEL, "prompt": "y" * 5000})
         response = httpx.post(f"{url}/v1/completions", content=body)
         assert response.status_code == 413
+
+
+def test_chat_text_too_long_for_the_context_is_refused_before_tokenizing(base_url):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "y" * 4_000_000}]}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert "characters" in response.json()["error"]["message"]
