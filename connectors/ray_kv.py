@@ -8,7 +8,9 @@ the consumer acks, the lease expires, or the send is cancelled.
 Consumer (decode): the load is started without blocking (the fetch is kicked and a future
 awaits it); once the object is local, its zero-copy views are copied straight into the
 request's own blocks (the only copy on D), the producer is acked, and every reference to the
-object is dropped.
+object is dropped. An object already in this node's store (always so on one node: P's put
+finished before D heard of it) needs no transfer: its future resolves within `start_load_kv`,
+so the load lands at the very next `get_finished`.
 
 Handle (`kv_transfer_params["handle"]`), a plain dict:
     refs          [ObjectRef]   one ref, inside a list so Ray never resolves it when the params
@@ -22,6 +24,7 @@ Handle (`kv_transfer_params["handle"]`), a plain dict:
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -62,6 +65,9 @@ _COUNTERS = (
 )
 
 AckSender = Callable[[str, str], None]
+# How long start_load_kv waits for the futures of objects already in this node's store: they
+# resolve in well under 1 ms; the bound only keeps a surprise from stalling the step loop.
+LOCAL_RESOLVE_TIMEOUT_S = 0.1
 
 
 # ---- messages between the scheduler side and the worker side -------------------------------
@@ -363,16 +369,19 @@ class RayKVConnector(KVConnectorBase):
 
     # ---- consumer: worker side -------------------------------------------------------------
     def start_load_kv(self, metadata: Any) -> None:
-        """Kick the fetch of every new load; never blocks."""
+        """Kick the fetch of every new load. Never waits for a transfer: only for the
+        futures of objects already in this node's store to resolve (a fraction of a ms)."""
         if not isinstance(metadata, RayKVConnectorMetadata) or not metadata.loads:
             return
         refs = list(dict.fromkeys(load.ref for load in metadata.loads))
-        ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)  # starts the pulls
+        local = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)[0])
         now = time.perf_counter()
         for load in metadata.loads:
             load.started_s = now
             load.future = load.ref.future()  # resolves to the views, or to the fetch's error
             self._inflight[load.request_id] = load
+        local_futures = [load.future for load in metadata.loads if load.ref in local]
+        concurrent.futures.wait(local_futures, timeout=LOCAL_RESOLVE_TIMEOUT_S)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         finished_sending = self._collect_finished_sends() if self.is_producer else set()

@@ -105,17 +105,27 @@ class EngineCore:
 
     # ---- one step --------------------------------------------------------------------
     def step(self) -> tuple[list[EngineCoreOutput], bool]:
-        """Schedule, run the model if anything was scheduled, poll connectors, update."""
+        """Schedule, run the model if anything was scheduled, poll connectors, update.
+
+        Remote KV loads of newly arrived requests are started first, in a pass that runs no
+        model: one whose data is already local lands there, so its request is scheduled in
+        this step rather than the next (see `Scheduler.schedule_remote_loads`)."""
+        early = self.scheduler.schedule_remote_loads()
+        outputs = [] if early is None else self._run(early)
         so = self.scheduler.schedule()
+        outputs += self._run(so)
         model_executed = so.total_num_scheduled_tokens > 0 or bool(so.scheduled_encoder_inputs)
+        return self._process_outputs(outputs), model_executed
+
+    def _run(self, so: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Start the connectors' loads, run the model on `so`, poll connectors, update."""
         if self.ec_connector is not None:
             self.ec_connector.start_load_caches(so.ec_connector_metadata, self.runner.encoder_cache)
         if self.kv_connector is not None:
             self.kv_connector.start_load_kv(so.kv_connector_metadata)
         runner_output = self.runner.execute_model(so)
         self._after_model(so, runner_output)
-        outputs = self.scheduler.update_from_output(so, runner_output)
-        return self._process_outputs(outputs), model_executed
+        return self.scheduler.update_from_output(so, runner_output)
 
     def _after_model(self, so: SchedulerOutput, runner_output: RunnerOutput) -> None:
         if self.ec_connector is not None:

@@ -4,7 +4,9 @@ admission and the KV / EC connector hooks. No model and no Ray here.
 Queues: `running` (scheduled last step, decode or mid-prefill), `skipped_waiting` (requests
 passed over by an earlier step: deferred by the EC connector, unknown to the KV connector,
 or parked in WAITING_FOR_REMOTE_KVS holding blocks) and `waiting` (FCFS; preempted requests
-go to its front). Each step serves running first, then skipped_waiting, then waiting.
+go to its front). Each step serves running first, then skipped_waiting, then waiting. A
+pass ahead of that (`schedule_remote_loads`) parks new remote-KV requests so that their loads
+start, and may land, before the step's batch is chosen.
 
 Each step a request's `num_computed_tokens` advances by its scheduled tokens when it is
 scheduled; `update_from_output` appends sampled tokens and checks stop conditions.
@@ -135,6 +137,42 @@ class Scheduler:
             self._schedule_waiting(st)
         return self._make_output(st)
 
+    def schedule_remote_loads(self) -> SchedulerOutput | None:
+        """A pass ahead of `schedule()` that schedules no token: it parks the requests at the
+        head of `waiting` whose KV the connector loads asynchronously, just as `schedule()`
+        would, and returns an empty SchedulerOutput carrying their loads (None when there
+        were none). The engine core starts them at once, so a load whose data is already on
+        this node lands in time for this step's `schedule()` to run its request, one step
+        sooner than when the load starts only after the step's batch was chosen.
+
+        Blocks go in the order `schedule()` gives them: the pass stops at the first request
+        that is not such a load, does nothing while a deferred request may still need blocks,
+        and leaves one free block per running request (a decode needs at most one a step)."""
+        if self.kv_connector is None or not self.waiting:
+            return None
+        kv = self.kv_cache_manager
+        if any(r.request_id not in kv.req_to_blocks for r in self.skipped_waiting):
+            return None
+        parked = False
+        while self.waiting and len(self.running) < self.scheduler_config.max_num_seqs:
+            request = self.waiting[0]
+            found = self._lookup(request)
+            if found is None:
+                break
+            computed_blocks, num_computed, num_external, load_async = found
+            num_blocks = -(-request.num_tokens // kv.block_size) - len(computed_blocks)
+            if (
+                not load_async
+                or num_external <= 0
+                or kv.get_num_free_blocks() - num_blocks < len(self.running)
+                or self._start_remote_load(request, computed_blocks, num_computed, num_external)
+                == _STOP
+            ):
+                break
+            self.skipped_waiting.append(self.waiting.popleft())
+            parked = True
+        return self._attach_connector_meta(SchedulerOutput.empty()) if parked else None
+
     def _schedule_running(self, st: StepState) -> None:
         running = self.running
         allocate = self.kv_cache_manager.allocate_slots
@@ -213,6 +251,18 @@ class Scheduler:
     def _try_schedule_waiting(self, request: Request, st: StepState) -> int:
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             return _SKIP
+        found = self._lookup(request)
+        if found is None:
+            return _SKIP
+        computed_blocks, num_computed, num_external, load_async = found
+        if load_async and num_external > 0:
+            return self._start_remote_load(request, computed_blocks, num_computed, num_external)
+        return self._admit(request, computed_blocks, num_computed, num_external, st)
+
+    def _lookup(self, request: Request) -> tuple[list, int, int, bool] | None:
+        """What a waiting request finds: (prefix-cache blocks, tokens computed with them,
+        tokens the KV connector adds, whether that load is asynchronous). None when it must
+        wait: the KV connector does not know yet, or the EC connector defers it."""
         kv = self.kv_cache_manager
         has_blocks = request.request_id in kv.req_to_blocks  # a landed remote load
         computed_blocks, num_computed = [], request.num_computed_tokens
@@ -224,7 +274,7 @@ class Scheduler:
                 request, num_computed
             )
             if num_external is None:
-                return _SKIP
+                return None
             if not load_async:  # loaded during the step: at least the last token is computed
                 num_external = min(num_external, request.num_tokens - 1 - num_computed)
         ec = self.ec_connector
@@ -233,10 +283,8 @@ class Scheduler:
             and request.mm_features
             and not ec.ensure_cache_available(request, num_computed + num_external)
         ):
-            return _SKIP
-        if load_async and num_external > 0:
-            return self._start_remote_load(request, computed_blocks, num_computed, num_external)
-        return self._admit(request, computed_blocks, num_computed, num_external, st)
+            return None
+        return computed_blocks, num_computed, num_external, load_async
 
     def _may_load_remote_kv(self, request: Request, has_blocks: bool) -> bool:
         return (
@@ -334,6 +382,9 @@ class Scheduler:
             preempted_req_ids=st.preempted_req_ids,
         )
         self.finished_req_ids = set()
+        return self._attach_connector_meta(out)
+
+    def _attach_connector_meta(self, out: SchedulerOutput) -> SchedulerOutput:
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         if self.ec_connector is not None:

@@ -137,6 +137,24 @@ def test_round_trip_copies_exact_bytes_into_scattered_blocks(ray, num_computed):
     assert wait_until(lambda: not our_objects_in_store([object_id]))
 
 
+def test_local_object_lands_at_the_first_get_finished(ray):
+    """On one node the object is in the local store already: no polling, so the engine core's
+    poll right after start_load_kv finds it landed and the request runs in that same step."""
+    producer = make_producer()
+    ack_log = AckLog({"prefill-0": producer})
+    consumer = make_consumer(ack_log)
+    _, params = producer.request_finished(finished_prefill("p1", 2 * BLOCK_SIZE), [4, 5])
+    request = make_request("d1", 2 * BLOCK_SIZE + 1, params)
+    num_external, _ = consumer.get_num_new_matched_tokens(request, 0)
+    consumer.update_state_after_alloc(request, [1, 2, 3], num_external)
+    consumer.start_load_kv(consumer.build_connector_meta(None))
+    assert consumer.get_finished(set()) == (set(), {"d1"})
+    assert ack_log.acks == [("prefill-0", "p1")]
+    assert torch.equal(consumer._pool[1:3], producer._pool[4:6])
+    assert consumer.stats()["num_pending_recvs"] == 0 and not consumer.has_pending()
+    assert drain_sends(producer) == ["p1"]
+
+
 def test_bf16_pool_round_trip(ray):
     producer = RayKVConnector("prefill-bf16", "producer", BLOCK_SIZE)
     producer.register_kv_caches(make_pool(6, seed=3, dtype=torch.bfloat16))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.outputs import KVConnectorOutput
+from engine.outputs import KVConnectorOutput, RunnerOutput
 from engine.request import RequestStatus
 from tests.scheduler_utils import (
     DEFAULT_TOKEN,
@@ -305,6 +305,83 @@ def test_consumer_async_load_waits_holding_blocks_then_decodes():
     outputs = run_until_done(s)
     assert r.num_output_tokens == 3 and outputs["req0"][-1].finish_reason == "length"
     assert kv.num_queries == 1
+    assert_idle(s)
+
+
+def land_early(scheduler, finished_recving: set[str]):
+    """The engine core's pass ahead of schedule(): park new remote loads; the loads named in
+    finished_recving land right away (their data was local)."""
+    early = scheduler.schedule_remote_loads()
+    if early is not None:
+        kv_output = KVConnectorOutput(finished_recving=finished_recving)
+        scheduler.update_from_output(early, RunnerOutput(kv_connector_output=kv_output))
+    return early
+
+
+def test_remote_load_parked_ahead_of_schedule_runs_in_the_same_step():
+    kv = FakeKVConnector({"req0": 12, "req1": 12})
+    s = make_scheduler(kv_connector=kv)
+    r0, r1 = add_all(s, make_requests(2, 13, max_tokens=3))
+    early = land_early(s, {"req0"})
+    assert early.total_num_scheduled_tokens == 0 and not early.num_scheduled_tokens
+    assert early.kv_connector_metadata == {"step": 1}
+    assert [a[0] for a in kv.allocs] == ["req0", "req1"]
+    assert r0.status == RequestStatus.WAITING and r0.num_computed_tokens == 12
+    assert r1.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not s.waiting
+    so, outs = step(s)  # the same step: req0 decodes, req1 still loads
+    assert so.num_scheduled_tokens == {"req0": 1} and outs[0].new_token_ids == [DEFAULT_TOKEN]
+    assert land_early(s, set()) is None  # nothing new to park
+    step(s, kv_connector_output=KVConnectorOutput(finished_recving={"req1"}))
+    run_until_done(s)
+    assert r0.num_output_tokens == 3 and r1.num_output_tokens == 3
+    assert kv.num_queries == 2
+    assert_idle(s)
+
+
+def test_remote_load_pass_keeps_fcfs_block_order():
+    kv = FakeKVConnector({"req0": 12, "req2": 12})
+    s = make_scheduler(kv_connector=kv)
+    r0, r1, r2 = add_all(s, make_requests(3, 13, max_tokens=2))
+    land_early(s, set())
+    assert r0.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert list(s.waiting) == [r1, r2]  # stops at the local prefill: req2 does not jump it
+    so, _ = step(s)  # schedule() parks req2 after req1 got its blocks
+    assert so.num_scheduled_tokens == {"req1": 13}
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(s, kv_connector_output=KVConnectorOutput(finished_recving={"req0", "req2"}))
+    run_until_done(s)
+    assert_idle(s)
+
+
+def test_remote_load_pass_leaves_a_block_per_running_request():
+    kv = FakeKVConnector({"req1": 12})
+    s = make_scheduler(kv_connector=kv, num_blocks=8, block_size=4)
+    (local,) = add_all(s, make_requests(1, 14, max_tokens=6))
+    step(s)  # 4 of 8 blocks; the 13-token remote prompt needs the other 4
+    (remote,) = add_all(s, make_requests(1, 13, max_tokens=2, start=1))
+    assert land_early(s, set()) is None and list(s.waiting) == [remote]
+    step(s)  # schedule() parks it once the running request has its blocks for this step
+    assert remote.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(s, kv_connector_output=KVConnectorOutput(finished_recving={"req1"}))
+    run_until_done(s)
+    assert local.num_output_tokens == 6 and remote.num_output_tokens == 2
+    assert_idle(s)
+
+
+def test_remote_load_pass_waits_behind_a_deferred_request_without_blocks():
+    kv = FakeKVConnector({"req0": None, "req1": 12})
+    s = make_scheduler(kv_connector=kv)
+    (deferred,) = add_all(s, make_requests(1, 13))
+    step(s)
+    assert list(s.skipped_waiting) == [deferred]  # the connector does not know yet
+    (remote,) = add_all(s, make_requests(1, 13, start=1))
+    assert land_early(s, set()) is None and list(s.waiting) == [remote]
+    kv.matched["req0"] = 0
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"req0": 13}
+    assert remote.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(s, kv_connector_output=KVConnectorOutput(finished_recving={"req1"}))
+    run_until_done(s)
     assert_idle(s)
 
 
