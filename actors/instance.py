@@ -3,8 +3,9 @@
 The engine is stepped on a dedicated thread; Ray calls arrive on the actor's event loop and
 talk to that thread through an inbox (commands in) and per-request asyncio queues (outputs
 out). The loop keeps stepping while the scheduler has any request, including finished ones
-whose blocks await a remote ack or whose KV load is in flight; after a step that ran no
-model it yields about 1 ms; it blocks on the inbox only when there is nothing at all to do.
+whose KV load is in flight; after a step that ran no model it yields about 1 ms. It blocks on
+the inbox when there is nothing to do, or nothing but sends awaiting acks (an ack wakes it;
+leases are checked every INBOX_POLL_S meanwhile).
 """
 
 from __future__ import annotations
@@ -188,8 +189,10 @@ class InstanceActor:
     def _run(self) -> None:
         self._publish_stats()
         while not self._stopping:
-            self._drain_inbox(block=self._paused.is_set() or not self.core.has_work())
-            if not self._paused.is_set() and self.core.has_work() and not self._step_once():
+            core = self.core
+            idle = self._paused.is_set() or not core.has_work() or core.only_awaiting_acks()
+            self._drain_inbox(block=idle)  # an ack, like any command, ends the wait
+            if not self._paused.is_set() and core.has_work() and not self._step_once():
                 time.sleep(IDLE_YIELD_S)
         self._fail_all("instance is shutting down")
 

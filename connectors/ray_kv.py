@@ -252,6 +252,11 @@ class RayKVConnector(KVConnectorBase):
             self._sends or self._released or self._new_loads or self._inflight or self._failed
         )
 
+    def only_awaiting_acks(self) -> bool:
+        return bool(self._sends) and not (
+            self._released or self._new_loads or self._inflight or self._failed
+        )
+
     def cancel_sends(self, request_ids: set[str] | list[str]) -> None:
         """Aborted on P before the consumer read: the object is dropped now and the requests
         are reported at the next get_finished. Unknown ids are ignored. Thread-safe."""

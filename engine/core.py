@@ -93,6 +93,17 @@ class EngineCore:
         kv_pending = self.kv_connector is not None and self.kv_connector.has_pending()
         return self.scheduler.has_requests() or kv_pending
 
+    def only_awaiting_acks(self) -> bool:
+        """Nothing to compute: every request held is a finished one whose KV waits for a
+        consumer's ack or its lease (the caller may step rarely until woken)."""
+        s = self.scheduler
+        return (
+            self.kv_connector is not None
+            and not s.has_unfinished_requests()
+            and not s.finished_req_ids
+            and self.kv_connector.only_awaiting_acks()
+        )
+
     def request_ids(self) -> list[str]:
         """Every request this instance holds state for, finished-but-held ones included."""
         return list(self.scheduler.requests)

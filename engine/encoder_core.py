@@ -51,6 +51,9 @@ class EncoderCore:
     def has_work(self) -> bool:
         return bool(self.waiting)
 
+    def only_awaiting_acks(self) -> bool:
+        return False  # an encoder's outputs are not held for acks
+
     def request_ids(self) -> list[str]:
         return [r.request_id for r in self.waiting]
 
