@@ -126,6 +126,7 @@ class Scheduler:
             )
             + len(self._aborted_recving),
             "num_preemptions": self.num_preemptions,
+            "num_encoder_cache_refs": self.encoder_cache_manager.num_referenced_entries(),
         }
 
     # ---- schedule ---------------------------------------------------------------------

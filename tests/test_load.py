@@ -170,6 +170,7 @@ def _load_test(cluster, base_url: str, seconds: float) -> Tally:
     assert_clean(cluster, baseline)
     assert all(s["healthy"] for s in cluster.stats())
     assert_memory_flat(before, private_rss(cluster))
+    print(f"load {seconds:.0f} s: {tally.completed} completed, {tally.disconnected} hung up")
     return tally
 
 
