@@ -4,8 +4,9 @@ The engine is stepped on a dedicated thread; Ray calls arrive on the actor's eve
 talk to that thread through an inbox (commands in) and per-request asyncio queues (outputs
 out). The loop keeps stepping while the scheduler has any request, including finished ones
 whose KV load is in flight; after a step that ran no model it yields about 1 ms. It blocks on
-the inbox when there is nothing to do, or nothing but sends awaiting acks (an ack wakes it;
-leases are checked every INBOX_POLL_S meanwhile).
+the inbox when there is nothing to do, nothing but sends awaiting acks (an ack wakes it;
+leases are checked every INBOX_POLL_S meanwhile), or nothing but requests deferred on an
+encoder's outputs (whose arrival wakes it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +57,11 @@ class InstanceSpec:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
 
-def build_core(spec: InstanceSpec) -> EngineCore | EncoderCore:
-    """The engine for a role, with the connectors that role needs."""
+def build_core(
+    spec: InstanceSpec, wake: Callable[[], None] | None = None
+) -> EngineCore | EncoderCore:
+    """The engine for a role, with the connectors that role needs; `wake` is called when
+    encoder outputs that a deferred request waits for have landed."""
     device = resolve_device(spec.engine.device)
     dtype = resolve_dtype(spec.engine.dtype, device)
     if spec.role == "encoder":
@@ -70,7 +75,7 @@ def build_core(spec: InstanceSpec) -> EngineCore | EncoderCore:
             lease_s=spec.kv_lease_s,
             load_timeout_s=spec.kv_load_timeout_s,
         )
-    ec = RayECConnector("consumer", spec.ec_timeout_s, device, dtype)
+    ec = RayECConnector("consumer", spec.ec_timeout_s, device, dtype, wake)
     return EngineCore(spec.engine, kv_connector=kv, ec_connector=ec)
 
 
@@ -84,8 +89,8 @@ class InstanceActor:
         spec = dataclasses.replace(spec, engine=engine)
         self.spec = spec
         self._node_id = ray.get_runtime_context().get_node_id()
-        self.core = build_core(spec)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.core = build_core(spec, wake=lambda: self._inbox.put(("wake", None)))
         self._streams = OutputStreams(spec.stream_idle_timeout_s)
         self._mm_hashes: dict[str, list[str]] = {}  # encoder: request id -> its images
         self._encoded: dict[str, dict[str, np.ndarray]] = {}  # encoder: finished outputs
@@ -190,7 +195,7 @@ class InstanceActor:
         self._publish_stats()
         while not self._stopping:
             core = self.core
-            idle = self._paused.is_set() or not core.has_work() or core.only_awaiting_acks()
+            idle = self._paused.is_set() or not core.has_work() or core.waits_only_on_remote()
             self._drain_inbox(block=idle)  # an ack, like any command, ends the wait
             if not self._paused.is_set() and core.has_work() and not self._step_once():
                 time.sleep(IDLE_YIELD_S)

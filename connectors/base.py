@@ -123,6 +123,11 @@ class ECConnectorBase(ABC):
         `num_computed_tokens` (offset + length > num_computed_tokens) are of concern."""
         return True
 
+    def awaits_outputs(self, request_id: str) -> bool:
+        """Whether the request waits for encoder outputs still in flight (their arrival
+        wakes the instance, so it need not poll meanwhile)."""
+        return False
+
     def update_state_after_alloc(self, request: Request, index: int) -> None:  # noqa: B027
         """Feature `index` of `request` was given encoder-cache space and will be loaded."""
 

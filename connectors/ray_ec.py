@@ -5,14 +5,17 @@ array; the encoder actor returns those arrays from its `encode` call, so they la
 object store owned by the caller (the router) and survive the encoder's death.
 
 Consumer (prefill or mixed instance): a request may carry a handle, the ObjectRef of that
-`encode` call. `ensure_cache_available` never blocks: it polls the handle and returns False
-while the outputs are in flight. Once they are local they are loaded into the encoder cache
+`encode` call. `ensure_cache_available` never blocks: it returns False while the handle's
+future is pending; the future's completion calls `wake` (the instance's step loop sleeps
+meanwhile). Once they are local they are loaded into the encoder cache
 with no local encoder run. A failed or late handle makes the instance encode locally.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +30,7 @@ from engine.request import Request
 
 @dataclass
 class _Handle:
-    ref: ray.ObjectRef  # -> dict[mm_hash, np.ndarray]
+    future: concurrent.futures.Future  # -> dict[mm_hash, np.ndarray]
     first_polled: float = field(default_factory=time.monotonic)
 
 
@@ -38,6 +41,7 @@ class RayECConnector(ECConnectorBase):
         timeout_s: float = 30.0,
         device: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         if role not in ("producer", "consumer"):
             raise ValueError(f"EC connector role must be producer or consumer, not {role!r}")
@@ -45,6 +49,7 @@ class RayECConnector(ECConnectorBase):
         self.timeout_s = timeout_s
         self.device = device or torch.device("cpu")
         self.dtype = dtype
+        self.wake = wake  # called, from a Ray thread, when a handle's outputs have landed
         self.outbox: dict[str, np.ndarray] = {}  # producer: mm_hash -> fresh encoder output
         self._handles: dict[str, _Handle] = {}  # consumer: request id -> in-flight handle
         self._ready: dict[str, np.ndarray] = {}  # consumer: mm_hash -> output ready to load
@@ -70,7 +75,14 @@ class RayECConnector(ECConnectorBase):
     def add_handle(self, request_id: str, handle: list[ray.ObjectRef] | None) -> None:
         """Register the encode call's ref (wrapped in a list so Ray never resolves it)."""
         if handle:
-            self._handles[request_id] = _Handle(handle[0])
+            future = handle[0].future()
+            if self.wake is not None:
+                future.add_done_callback(lambda _: self.wake())
+            self._handles[request_id] = _Handle(future)
+
+    def awaits_outputs(self, request_id: str) -> bool:
+        handle = self._handles.get(request_id)
+        return handle is not None and not handle.future.done()
 
     def has_cache_item(self, mm_hash: str) -> bool:
         return mm_hash in self._ready
@@ -82,17 +94,13 @@ class RayECConnector(ECConnectorBase):
         needed = [f for f in request.mm_features if f.end > num_computed_tokens]
         if not needed or all(f.mm_hash in self._ready for f in needed):
             return True
-        ready, _ = ray.wait([handle.ref], timeout=0, fetch_local=True)
-        if not ready:
+        if not handle.future.done():
             if time.monotonic() - handle.first_polled < self.timeout_s:
                 return False
             return self._give_up(request.request_id)
-        try:
-            # Local and ready: this returns at once (and, unlike ray.get, does not warn about
-            # blocking inside an async actor: this runs on the step-loop thread).
-            outputs = handle.ref.future().result()
-        except ray.exceptions.RayError:
+        if handle.future.exception() is not None:  # the encoder died or failed
             return self._give_up(request.request_id)
+        outputs = handle.future.result()
         self._ready.update(outputs)
         self._ready_for[request.request_id] = set(outputs)
         del self._handles[request.request_id]

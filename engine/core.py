@@ -93,15 +93,18 @@ class EngineCore:
         kv_pending = self.kv_connector is not None and self.kv_connector.has_pending()
         return self.scheduler.has_requests() or kv_pending
 
-    def only_awaiting_acks(self) -> bool:
-        """Nothing to compute: every request held is a finished one whose KV waits for a
-        consumer's ack or its lease (the caller may step rarely until woken)."""
-        s = self.scheduler
+    def waits_only_on_remote(self) -> bool:
+        """Nothing to compute until a remote event: every unfinished request is deferred on
+        encoder outputs in flight, and every finished one holds KV for a consumer's ack.
+        Both events wake the caller (the EC connector's `wake`, an `ack_kv` call); their
+        timeouts and leases can be checked at leisure."""
+        s, kv, ec = self.scheduler, self.kv_connector, self.ec_connector
         return (
-            self.kv_connector is not None
-            and not s.has_unfinished_requests()
+            not s.running
+            and not s.waiting
             and not s.finished_req_ids
-            and self.kv_connector.only_awaiting_acks()
+            and (kv is None or not kv.has_pending() or kv.only_awaiting_acks())
+            and all(ec is not None and ec.awaits_outputs(r.request_id) for r in s.skipped_waiting)
         )
 
     def request_ids(self) -> list[str]:

@@ -51,8 +51,8 @@ class EncoderCore:
     def has_work(self) -> bool:
         return bool(self.waiting)
 
-    def only_awaiting_acks(self) -> bool:
-        return False  # an encoder's outputs are not held for acks
+    def waits_only_on_remote(self) -> bool:
+        return False  # an encoder waits on nothing remote
 
     def request_ids(self) -> list[str]:
         return [r.request_id for r in self.waiting]

@@ -1,0 +1,79 @@
+"""RayECConnector consumer side on a real local Ray: deferral, wake-up and fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from connectors.ray_ec import RayECConnector
+from engine.request import MultiModalFeature, Request
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def encode_task(ray_session):
+    @ray_session.remote(num_cpus=0)
+    def encode(hashes: list[str], gate: object, fail: bool) -> dict[str, np.ndarray]:
+        ray_session.get(gate.wait.remote())
+        if fail:
+            raise RuntimeError("encoder failed")
+        return {h: np.full((4, 8), i, np.float32) for i, h in enumerate(hashes)}
+
+    return encode
+
+
+@pytest.fixture
+def gate(ray_session):
+    @ray_session.remote(num_cpus=0)
+    class Gate:
+        def __init__(self) -> None:
+            self.event = None
+
+        async def wait(self) -> None:
+            self.event = self.event or asyncio.Event()
+            await self.event.wait()
+
+        async def open(self) -> None:
+            self.event = self.event or asyncio.Event()
+            self.event.set()
+
+    handle = Gate.remote()
+    yield handle
+    ray_session.kill(handle)
+
+
+def image_request(request_id: str, mm_hash: str) -> Request:
+    features = [MultiModalFeature(mm_hash, offset=1, length=4)]
+    return Request(request_id, [1, 9, 9, 9, 9, 2], SamplingParams(), mm_features=features)
+
+
+def test_deferred_until_the_outputs_land_and_their_arrival_wakes_the_instance(
+    ray_session, encode_task, gate
+):
+    woken = threading.Event()
+    ec = RayECConnector("consumer", timeout_s=60, wake=woken.set)
+    request = image_request("r1", "img-a")
+    ec.add_handle("r1", [encode_task.remote(["img-a"], gate, False)])
+    assert not ec.ensure_cache_available(request, 0) and ec.awaits_outputs("r1")
+    assert not woken.wait(0.2)  # nothing landed: the instance may sleep
+    ray_session.get(gate.open.remote())
+    assert woken.wait(30)
+    assert not ec.awaits_outputs("r1")
+    assert ec.ensure_cache_available(request, 0) and ec.has_cache_item("img-a")
+    assert ec.stats()["ec_pending"] == 0 and ec.stats()["ec_fallbacks"] == 0
+
+
+def test_a_failed_encoder_call_wakes_and_falls_back_to_local_encoding(
+    ray_session, encode_task, gate
+):
+    woken = threading.Event()
+    ec = RayECConnector("consumer", timeout_s=60, wake=woken.set)
+    request = image_request("r2", "img-b")
+    ec.add_handle("r2", [encode_task.remote(["img-b"], gate, True)])
+    ray_session.get(gate.open.remote())
+    assert woken.wait(30)
+    assert ec.ensure_cache_available(request, 0)  # proceeds, encoding locally
+    assert not ec.has_cache_item("img-b") and ec.stats()["ec_fallbacks"] == 1
