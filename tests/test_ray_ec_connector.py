@@ -45,23 +45,25 @@ def gate(ray_session):
     ray_session.kill(handle)
 
 
-def image_request(request_id: str, mm_hash: str) -> Request:
+def deferred(encode_task, gate, mm_hash: str, fail: bool):
+    """A consumer connector, a request with one image, and its in-flight encode call."""
+    woken = threading.Event()
+    ec = RayECConnector("consumer", timeout_s=60, wake=woken.set)
     features = [MultiModalFeature(mm_hash, offset=1, length=4)]
-    return Request(request_id, [1, 9, 9, 9, 9, 2], SamplingParams(), mm_features=features)
+    request = Request(mm_hash, [1, 9, 9, 9, 9, 2], SamplingParams(), mm_features=features)
+    ec.add_handle(request.request_id, [encode_task.remote([mm_hash], gate, fail)])
+    return ec, request, woken
 
 
 def test_deferred_until_the_outputs_land_and_their_arrival_wakes_the_instance(
     ray_session, encode_task, gate
 ):
-    woken = threading.Event()
-    ec = RayECConnector("consumer", timeout_s=60, wake=woken.set)
-    request = image_request("r1", "img-a")
-    ec.add_handle("r1", [encode_task.remote(["img-a"], gate, False)])
-    assert not ec.ensure_cache_available(request, 0) and ec.awaits_outputs("r1")
+    ec, request, woken = deferred(encode_task, gate, "img-a", fail=False)
+    assert not ec.ensure_cache_available(request, 0) and ec.awaits_outputs("img-a")
     assert not woken.wait(0.2)  # nothing landed: the instance may sleep
     ray_session.get(gate.open.remote())
     assert woken.wait(30)
-    assert not ec.awaits_outputs("r1")
+    assert not ec.awaits_outputs("img-a")
     assert ec.ensure_cache_available(request, 0) and ec.has_cache_item("img-a")
     assert ec.stats()["ec_pending"] == 0 and ec.stats()["ec_fallbacks"] == 0
 
@@ -69,10 +71,7 @@ def test_deferred_until_the_outputs_land_and_their_arrival_wakes_the_instance(
 def test_a_failed_encoder_call_wakes_and_falls_back_to_local_encoding(
     ray_session, encode_task, gate
 ):
-    woken = threading.Event()
-    ec = RayECConnector("consumer", timeout_s=60, wake=woken.set)
-    request = image_request("r2", "img-b")
-    ec.add_handle("r2", [encode_task.remote(["img-b"], gate, True)])
+    ec, request, woken = deferred(encode_task, gate, "img-b", fail=True)
     ray_session.get(gate.open.remote())
     assert woken.wait(30)
     assert ec.ensure_cache_available(request, 0)  # proceeds, encoding locally
