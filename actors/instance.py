@@ -266,9 +266,7 @@ class InstanceActor:
 
     def _fail_all(self, message: str) -> None:
         """Finish every request with an error (after an internal failure or at shutdown)."""
-        request_ids = self.core.request_ids()
-        self.core.abort_requests(request_ids)
-        for request_id in request_ids:
+        for request_id in self.core.fail_all():
             self._deliver(EngineCoreOutput(request_id, [], finish_reason="error", error=message))
 
     def _publish_stats(self) -> None:

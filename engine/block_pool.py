@@ -160,7 +160,12 @@ class BlockPool:
         """Forget every cached hash; only when no block is referenced."""
         if self.free_queue.num_free_blocks != self.num_usable_blocks:
             return False
+        self.forget_prefixes()
+        return True
+
+    def forget_prefixes(self) -> None:
+        """Make every block unreachable by prefix lookups, referenced or not (after a failed
+        step, whose blocks may hold partial KV): each is freed, later, as an uncached one."""
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
-        return True

@@ -74,6 +74,14 @@ class EngineCore:
         for req_id in request_ids:
             self._detokenizers.pop(req_id, None)
 
+    def fail_all(self) -> list[str]:
+        """After a step raised: abort every request (returned) and forget every cached
+        prefix, since blocks the failed step wrote may hold partial KV."""
+        request_ids = self.request_ids()
+        self.abort_requests(request_ids)
+        self.scheduler.kv_cache_manager.block_pool.forget_prefixes()
+        return request_ids
+
     def _validate(self, request: Request) -> None:
         max_len = self.config.scheduler.max_model_len
         if request.request_id in self.scheduler.requests:

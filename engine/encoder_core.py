@@ -48,6 +48,12 @@ class EncoderCore:
         gone = set(request_ids)
         self.waiting = deque(r for r in self.waiting if r.request_id not in gone)
 
+    def fail_all(self) -> list[str]:
+        """Abort every request (after a step raised, or at shutdown); returns their ids."""
+        request_ids = self.request_ids()
+        self.waiting.clear()
+        return request_ids
+
     def has_work(self) -> bool:
         return bool(self.waiting)
 

@@ -63,6 +63,19 @@ def test_lru_eviction_drops_hash_of_reused_block():
     assert pool.num_evictions == 1
 
 
+def test_forget_prefixes_uncaches_blocks_in_use_and_free():
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(blocks, [1, 2])
+    pool.free_blocks([blocks[1]])  # one cached block free, one still referenced
+    pool.forget_prefixes()
+    assert pool.get_cached_block(1) is None and pool.get_cached_block(2) is None
+    pool.free_blocks([blocks[0]])
+    assert pool.get_num_free_blocks() == 4
+    pool.get_new_blocks(4)
+    assert pool.num_evictions == 0  # nothing cached was left to evict
+
+
 def test_duplicate_hash_keeps_first_block():
     pool = BlockPool(4)
     a, b = pool.get_new_blocks(2)
