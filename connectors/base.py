@@ -94,10 +94,11 @@ class KVConnectorBase(ABC):
         still holds its object): the instance keeps stepping while this is True."""
         return False
 
-    def only_awaiting_acks(self) -> bool:
-        """Producer: nothing to poll but sends whose readers have not acked yet (an ack
-        arrives as a call that wakes the instance; leases can be checked at leisure)."""
-        return False
+    def needs_polling(self) -> bool:
+        """Pending work the instance must keep stepping to notice. Sends that only await
+        their reader's ack do not count: the ack arrives as a call that wakes the instance,
+        and leases can be checked at leisure."""
+        return self.has_pending()
 
     def cancel_sends(self, request_ids: list[str]) -> None:  # noqa: B027
         """Producer: these requests were aborted; stop holding their KV for a reader."""

@@ -248,14 +248,10 @@ class RayKVConnector(KVConnectorBase):
                 self._released.add(request_id)
 
     def has_pending(self) -> bool:
-        return bool(
-            self._sends or self._released or self._new_loads or self._inflight or self._failed
-        )
+        return bool(self._sends) or self.needs_polling()
 
-    def only_awaiting_acks(self) -> bool:
-        return bool(self._sends) and not (
-            self._released or self._new_loads or self._inflight or self._failed
-        )
+    def needs_polling(self) -> bool:
+        return bool(self._released or self._new_loads or self._inflight or self._failed)
 
     def cancel_sends(self, request_ids: set[str] | list[str]) -> None:
         """Aborted on P before the consumer read: the object is dropped now and the requests

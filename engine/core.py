@@ -111,7 +111,7 @@ class EngineCore:
             not s.running
             and not s.waiting
             and not s.finished_req_ids
-            and (kv is None or not kv.has_pending() or kv.only_awaiting_acks())
+            and (kv is None or not kv.needs_polling())
             and all(ec is not None and ec.awaits_outputs(r.request_id) for r in s.skipped_waiting)
         )
 

@@ -215,12 +215,12 @@ def test_cancel_sends_reports_once_and_frees(ray):
     producer.ack("a")  # a consumer that read before the cancel: ignored
     assert drain_sends(producer) == []
     assert params_b["handle"]["refs"][0].hex() in our_objects_in_store()
-    assert producer.has_pending() and producer.only_awaiting_acks()  # "b"
+    assert producer.has_pending() and not producer.needs_polling()  # "b" awaits its ack
     producer.ack("b")
     assert producer.has_pending()  # released, not yet reported: the step loop must poll
-    assert not producer.only_awaiting_acks()
+    assert producer.needs_polling()
     assert drain_sends(producer) == ["b"] and not producer.has_pending()
-    assert not producer.only_awaiting_acks()
+    assert not producer.needs_polling()
 
 
 # ---- load failures ---------------------------------------------------------------------------
