@@ -12,6 +12,7 @@ from tqdm import tqdm
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core import EngineCore
 from engine.outputs import EngineCoreOutput
+from engine.presets import resolve_model_dir
 from engine.processor import InputProcessor, PromptType
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -70,13 +71,12 @@ def engine_config_from_args(model: str, **engine_args: Any) -> EngineConfig:
 
 
 class LLM:
-    """One in-process engine instance (no Ray). `model=None` uses the built-in tiny preset."""
+    """One in-process engine instance (no Ray). `model` is anything `resolve_model_dir` takes:
+    a checkpoint folder, a GGUF file, 'smollm2-135m', 'preset:<name>', or None for the
+    built-in tiny preset."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        if model is None:
-            from engine.presets import default_model_dir
-
-            model = str(default_model_dir())
+        model = resolve_model_dir(model)
         self.engine = EngineCore(engine_config_from_args(model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self.processor = InputProcessor(model, self.tokenizer, self.engine.model_info)

