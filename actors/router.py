@@ -305,7 +305,7 @@ def _copy(request: Request, prompt: list[int], params, kv_transfer_params: dict)
         request.request_id,
         prompt,
         params,
-        eos_token_id=request.eos_token_id,
+        eos_token_ids=request.eos_token_ids,
         mm_features=request.mm_features,
         kv_transfer_params=kv_transfer_params,
         arrival_time=request.arrival_time,

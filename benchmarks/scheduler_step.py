@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, prefix_caching: bool) -> dict[str, float]:
     for i in range(args.num_requests):
         prompt = [rng.randrange(3, 32000) for _ in range(args.prompt_len)]
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-        scheduler.add_request(Request(f"r{i}", prompt, params, eos_token_id=2))
+        scheduler.add_request(Request(f"r{i}", prompt, params, eos_token_ids=(2,)))
     if args.gc_freeze:  # as an engine does once set up: long-lived objects leave GC scans
         gc.collect()
         gc.freeze()

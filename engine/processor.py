@@ -47,7 +47,7 @@ class InputProcessor:
             request_id,
             token_ids,
             params,
-            eos_token_id=self.info.eos_token_ids[0] if self.info.eos_token_ids else None,
+            eos_token_ids=self.info.eos_token_ids,
             mm_features=features,
             kv_transfer_params=kv_transfer_params,
         )

@@ -53,7 +53,7 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
     params = request.sampling_params
     num_output = len(request.output_token_ids)
     if num_output >= params.min_tokens:
-        if token_id == request.eos_token_id and not params.ignore_eos:
+        if token_id in request.eos_token_ids and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id

@@ -68,7 +68,7 @@ def make_requests(
                 f"{id_prefix}{i}",
                 prompt,
                 params,
-                eos_token_id=eos_token_id,
+                eos_token_ids=() if eos_token_id is None else (eos_token_id,),
                 mm_features=[MultiModalFeature(f.mm_hash, f.offset, f.length) for f in mm_features]
                 if mm_features
                 else None,

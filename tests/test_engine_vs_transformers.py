@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, presets
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,3 +117,24 @@ def test_llava_with_images_matches_transformers(llava, variant):
         assert out.token_ids == hf_greedy(hf, request.prompt_token_ids, NUM_NEW_TOKENS, **inputs)
     stats = llm.engine.scheduler.stats()
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
+def test_stops_on_every_eos_id_like_transformers(preset_dir, tmp_path):
+    """generation_config.json may list several EOS ids (Llama-3-Instruct lists three): both
+    engines stop at the first token that is any of them, not only at the first id listed."""
+    path = shutil.copytree(preset_dir("tiny-llama"), tmp_path / "model")
+    prompt = random_prompts(512, [12], seed=4)[0]
+    free_run = LLM(str(path)).generate(prompt, GREEDY)[0].token_ids
+    stop_id = free_run[5]
+    assert presets.EOS_TOKEN_ID not in free_run and stop_id != presets.EOS_TOKEN_ID
+    generation = json.loads((path / "generation_config.json").read_text())
+    generation["eos_token_id"] = [presets.EOS_TOKEN_ID, stop_id]
+    (path / "generation_config.json").write_text(json.dumps(generation))
+
+    out = LLM(str(path)).generate(prompt, SamplingParams(temperature=0.0, max_tokens=24))[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
+    assert out.token_ids == free_run[: free_run.index(stop_id) + 1]
+    assert out.token_ids == reference[0, len(prompt) :].tolist()
+    assert out.finish_reason == "stop"
