@@ -8,7 +8,7 @@ side is warmed up once on a small run before timing. A second pass with one outp
 compares prefill alone. Each timed phase uses fresh prompt tokens (same lengths), so our
 prefix cache never hits across phases.
 
-    python -m benchmarks.engine_throughput [--preset small-llama | --model DIR]
+    python -m benchmarks.engine_throughput [--preset small-llama | --model MODEL]
         [--num-prompts 16] [--prompt-len 128] [--output-len 64] [--batch-size N]
         [--repeats 3] [--max-num-seqs N] [--max-num-batched-tokens N] [--no-prefill]
 """
@@ -27,15 +27,16 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
-from engine.presets import PAD_TOKEN_ID, default_model_dir
-
-FIRST_ORDINARY_TOKEN_ID = 6  # ids below are the presets' special tokens
+from engine.models.gguf import GGUF_WEIGHTS
+from engine.presets import PAD_TOKEN_ID, default_model_dir, resolve_model_dir
+from engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class Workload:
     prompt_lens: list[int]
     vocab_size: int
+    first_token_id: int  # the special tokens' ids lie below it
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -44,10 +45,8 @@ class Workload:
     def prompts(self, seed: int) -> list[list[int]]:
         """Random ordinary token ids; a different seed gives different tokens, same lengths."""
         rng = random.Random(seed)
-        hi = self.vocab_size - 1
-        return [
-            [rng.randint(FIRST_ORDINARY_TOKEN_ID, hi) for _ in range(n)] for n in self.prompt_lens
-        ]
+        lo, hi = self.first_token_id, self.vocab_size - 1
+        return [[rng.randint(lo, hi) for _ in range(n)] for n in self.prompt_lens]
 
 
 @dataclass(frozen=True)
@@ -96,8 +95,14 @@ def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> Timing:
 
 # ---- transformers -------------------------------------------------------------------------
 def load_hf(model_dir: Path) -> torch.nn.Module:
+    """The same checkpoint in transformers: the GGUF file itself when the folder links one."""
     from transformers import AutoModelForCausalLM
 
+    if (model_dir / GGUF_WEIGHTS).exists():
+        gguf_file = (model_dir / GGUF_WEIGHTS).resolve()
+        return AutoModelForCausalLM.from_pretrained(
+            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+        ).eval()
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
@@ -171,7 +176,7 @@ def measure(
 
 def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
     if args.model:
-        return Path(args.model), args.model
+        return Path(resolve_model_dir(args.model)), args.model
     return default_model_dir(args.preset), f"preset {args.preset}"
 
 
@@ -245,7 +250,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="small-llama", help="built-in preset (cached build)")
-    src.add_argument("--model", help="Hugging Face checkpoint folder instead of a preset")
+    src.add_argument(
+        "--model", help="instead of a preset: a checkpoint folder, a .gguf file or smollm2-135m"
+    )
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=128, help="mean; lengths vary ±50%%")
     p.add_argument("--output-len", type=int, default=64)
@@ -266,7 +273,8 @@ def main() -> None:
     model_dir, label = resolve_model(args)
     hf_model = load_hf(model_dir)
     lens = prompt_lengths(args.num_prompts, args.prompt_len, args.seed)
-    workload = Workload(lens, vocab_size_of(hf_model))
+    first_token_id = max(Tokenizer(model_dir).special_ids, default=-1) + 1
+    workload = Workload(lens, vocab_size_of(hf_model), first_token_id)
     llm = build_llm(model_dir, args, workload)
     batch_size = args.batch_size or args.num_prompts
     print_config(args, label, model_dir, hf_model, llm, workload)
@@ -277,7 +285,7 @@ def main() -> None:
     def hf(prompts: list[list[int]], n: int) -> Timing:
         return run_hf(hf_model, prompts, n, batch_size)
 
-    warmup = Workload(lens[:2], workload.vocab_size).prompts(args.seed * 1000 + 999)
+    warmup = Workload(lens[:2], workload.vocab_size, first_token_id).prompts(args.seed * 1000 + 999)
     ours(warmup, 4)
     hf(warmup, 4)
     gen = measure(ours, hf, workload, args.seed + 1, args.output_len, args.repeats)
