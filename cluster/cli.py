@@ -7,7 +7,10 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster.config import ClusterConfig
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -50,7 +53,7 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "device": (("engine", "device"), str),
     "dtype": (("engine", "dtype"), str),
 }
-_ROLE_FLAGS = ("encoders", "prefills", "decodes", "mixed")
+_ROLE_FLAGS = {"encoders": "encoder", "prefills": "prefill", "decodes": "decode", "mixed": "mixed"}
 
 SERVE_EXAMPLES = """examples:
   pdcluster serve --model preset:tiny-llama --prefills 1 --decodes 1
@@ -89,16 +92,15 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
             node = node.setdefault(key, {})
         node[path[-1]] = value
     if args.config is None:  # the topology is exactly the counts given
-        counts = {r: getattr(args, r) for r in _ROLE_FLAGS}
-        if all(n is None for n in counts.values()):
-            counts.update(prefills=1, decodes=1)
-        for flag, (path, _) in _SERVE_OVERRIDES.items():
-            if flag in counts:
-                overrides.setdefault(path[0], {})["count"] = counts[flag] or 0
+        counts = {role: getattr(args, flag) or 0 for flag, role in _ROLE_FLAGS.items()}
+        if all(getattr(args, flag) is None for flag in _ROLE_FLAGS):
+            counts.update(prefill=1, decode=1)
+        for role, count in counts.items():
+            overrides.setdefault(role, {})["count"] = count
     return overrides
 
 
-def load_serve_config(args: argparse.Namespace):
+def load_serve_config(args: argparse.Namespace) -> ClusterConfig:
     from cluster.config import ClusterConfig
 
     return ClusterConfig.load(args.config, serve_overrides(args))
