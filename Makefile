@@ -8,10 +8,13 @@ STAMP := $(VENV)/.installed
 # make test TORCH_PIP_ARGS="--index-url <PyTorch CPU wheel index>".
 TORCH ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
-# Topology of `make serve`: an embedded local Ray with E, P and D instances, gateway on
-# 127.0.0.1:8000 (PORT overrides), the built-in tiny-llava model.
-CONFIG ?= ray_configs/local-1e1p1d.yaml
+# `make serve`: SmolLM2-135M-Instruct on one prefill and one decode instance (embedded local
+# Ray), gateway on 127.0.0.1:$(PORT). CONFIG names a topology instead, with its own model:
+# `make serve CONFIG=local-1e1p1d` is the multimodal E/P/D demo (tiny-llava preset).
+MODEL ?= smollm2-135m
+CONFIG ?=
 PORT ?= 8000
+SERVE_ARGS = $(if $(CONFIG),--config $(CONFIG),--model $(MODEL) --prefills 1 --decodes 1)
 
 .PHONY: setup serve test test-slow lint bench clean
 
@@ -26,7 +29,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/pdcluster serve --config $(CONFIG) --port $(PORT)
+	$(VENV)/bin/pdcluster serve $(SERVE_ARGS) --port $(PORT)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,11 +1,16 @@
-"""`pdcluster` command line: make-model, generate (more subcommands register below)."""
+"""`pdcluster` command line: serve, status, job, bench, generate, make-model."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster.config import ClusterConfig
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -28,24 +33,83 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_config(args: argparse.Namespace):
+# serve flag -> (location in the config mapping, argparse type); unset flags keep the
+# YAML's (or the model's default) value, so every default stays defined once, in the config.
+_SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
+    "model": (("model",), str),
+    "encoders": (("encoder", "count"), int),
+    "prefills": (("prefill", "count"), int),
+    "decodes": (("decode", "count"), int),
+    "mixed": (("mixed", "count"), int),
+    "host": (("gateway", "host"), str),
+    "port": (("gateway", "port"), int),
+    "api_key": (("gateway", "api_key"), str),
+    "served_model_name": (("gateway", "served_model_name"), str),
+    "address": (("ray", "address"), str),
+    "num_blocks": (("engine", "num_blocks"), int),
+    "block_size": (("engine", "block_size"), int),
+    "max_model_len": (("engine", "max_model_len"), int),
+    "max_num_seqs": (("engine", "max_num_seqs"), int),
+    "device": (("engine", "device"), str),
+    "dtype": (("engine", "dtype"), str),
+}
+_ROLE_FLAGS = {"encoders": "encoder", "prefills": "prefill", "decodes": "decode", "mixed": "mixed"}
+
+SERVE_EXAMPLES = """examples:
+  pdcluster serve --model preset:tiny-llama --prefills 1 --decodes 1
+  pdcluster serve --model /models/Llama-3.2-1B-Instruct --prefills 2 --decodes 1 --port 8080
+  pdcluster serve --config local-1e1p1d          # a built-in topology, by name
+  pdcluster serve --config my-topology.yaml --num-blocks 2048
+  pdcluster serve --address 10.0.0.5:6379 --model /models/m --mixed 2   # an existing Ray
+
+Without --config the topology is exactly the role counts given (none: 1 prefill, 1 decode).
+Flags override the YAML; a role's own `engine:` overrides in the YAML still apply.
+On a Ray cluster with token authentication, set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH,
+or keep the token in ~/.ray/auth_token)."""
+
+
+def _describe(path: tuple[str, ...]) -> str:
+    """The config field's own description, for the flag's help."""
     from cluster.config import ClusterConfig
 
-    config = ClusterConfig.from_yaml(args.config)
-    gateway, ray_settings = config.gateway, config.ray
-    if getattr(args, "host", None):
-        gateway = gateway.model_copy(update={"host": args.host})
-    if getattr(args, "port", None) is not None:
-        gateway = gateway.model_copy(update={"port": args.port})
-    if getattr(args, "address", None):
-        ray_settings = ray_settings.model_copy(update={"address": args.address})
-    return config.model_copy(update={"gateway": gateway, "ray": ray_settings})
+    if path[-1] == "count":
+        return f"{path[0]} instances"
+    model: type = ClusterConfig
+    for key in path[:-1]:
+        model = model.model_fields[key].annotation
+    return f"{model.model_fields[path[-1]].description} (config: {'.'.join(path)})"
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config mapping the serve flags set (nested like the YAML)."""
+    overrides: dict[str, Any] = {}
+    for flag, (path, _) in _SERVE_OVERRIDES.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        node = overrides
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    if args.config is None:  # the topology is exactly the counts given
+        counts = {role: getattr(args, flag) or 0 for flag, role in _ROLE_FLAGS.items()}
+        if all(getattr(args, flag) is None for flag in _ROLE_FLAGS):
+            counts.update(prefill=1, decode=1)
+        for role, count in counts.items():
+            overrides.setdefault(role, {})["count"] = count
+    return overrides
+
+
+def load_serve_config(args: argparse.Namespace) -> ClusterConfig:
+    from cluster.config import ClusterConfig
+
+    return ClusterConfig.load(args.config, serve_overrides(args))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from cluster.serve import serve
 
-    serve(_load_config(args))
+    serve(load_serve_config(args))
     return 0
 
 
@@ -68,7 +132,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cluster.config import builtin_config_names
+    from pdcluster import __version__
+
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pdcluster {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="write a built-in random-weight checkpoint")
@@ -86,11 +154,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("serve", help="start a cluster and its OpenAI-compatible gateway")
-    p.add_argument("--config", default="ray_configs/local-1e1p1d.yaml", help="topology YAML")
-    p.add_argument("--host", default=None, help="listen address (default from config: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="listen port (default from config)")
-    p.add_argument("--address", default=None, help="existing Ray cluster (default: embedded)")
+    p = sub.add_parser(
+        "serve",
+        help="start a cluster and its OpenAI-compatible gateway",
+        description="Start the instances of a topology on Ray (embedded, or --address) and "
+        "serve the OpenAI API until Ctrl-C or SIGTERM; then stop everything.",
+        epilog=SERVE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="topology YAML file, or a built-in topology: " + ", ".join(builtin_config_names()),
+    )
+    for flag, (path, kind) in _SERVE_OVERRIDES.items():
+        p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help=_describe(path))
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="level of the startup progress lines and logs (default: INFO)",
+    )
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("status", help="the instances of a running gateway, as a table")
@@ -116,10 +200,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
+        # bad input, or a Ray cluster that cannot be reached: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,11 +1,13 @@
 """Cluster configuration: pydantic at the boundary, converted to frozen dataclasses inside.
 
 A topology is counts and resources per role (encoder, prefill, decode, mixed) around one
-model. Loaded from YAML (see ray_configs/) or built in Python.
+model. Loaded from YAML (a path, or the name of a built-in topology in ray_configs/), from
+overrides (the CLI's flags) on top of one, or built in Python.
 """
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +17,72 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 ROLES = ("encoder", "prefill", "decode", "mixed")
+
+# The built-in topologies: ray_configs/ in a checkout, package data once installed
+# (pdcluster/configs links to ray_configs/). The `ray up` config there is no topology.
+BUILTIN_CONFIG_DIR = Path(str(files("pdcluster") / "configs")).resolve()
+_NOT_TOPOLOGIES = {"cluster-launcher"}
+
+
+def builtin_config_names() -> list[str]:
+    """Names `--config` accepts besides paths, e.g. 'local-1p1d'."""
+    stems = (p.stem for p in BUILTIN_CONFIG_DIR.glob("*.yaml"))
+    return sorted(s for s in stems if s not in _NOT_TOPOLOGIES)
+
+
+def config_path(name_or_path: str | Path) -> Path:
+    """The YAML file of `name_or_path`: an existing file, else a built-in topology's name."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    names = builtin_config_names()
+    if str(name_or_path) in names:
+        return BUILTIN_CONFIG_DIR / f"{name_or_path}.yaml"
+    raise FileNotFoundError(
+        f"no config file {str(name_or_path)!r} and no built-in topology of that name "
+        f"(built-in: {', '.join(names)})"
+    )
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML mapping; syntax errors name the file, line and column in one message."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ValueError(f"{where}: invalid YAML: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: invalid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a cluster config is a YAML mapping")
+    return data
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` applied key by key, nested mappings merged recursively."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """A pydantic error list as one line: `field.path: message (got value)`; ..."""
+    parts = []
+    for e in exc.errors():
+        message = e["msg"].removeprefix("Value error, ")
+        if not e["loc"]:  # a cross-field rule of the whole config
+            parts.append(message)
+            continue
+        got = "" if isinstance(e["input"], dict) else f" (got {e['input']!r})"
+        parts.append(f"{'.'.join(map(str, e['loc']))}: {message}{got}")
+    return "; ".join(parts)
 
 
 def _override_errors(role: str, exc: ValidationError) -> str:
@@ -170,7 +238,20 @@ class ClusterConfig(_Strict):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterConfig:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: a cluster config is a YAML mapping")
-        return cls.model_validate(data)
+        """The config in a YAML file, or in a built-in topology named like 'local-1p1d'."""
+        return cls.load(path)
+
+    @classmethod
+    def load(
+        cls, name_or_path: str | Path | None = None, overrides: dict[str, Any] | None = None
+    ) -> ClusterConfig:
+        """A YAML config (a path or a built-in name; None: none) with `overrides` on top, all
+        validated together. Errors are one ValueError naming the file and the fields."""
+        path = None if name_or_path is None else config_path(name_or_path)
+        data = merge(read_yaml(path) if path else {}, overrides or {})
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            source = f"{path} with the command-line flags" if overrides else str(path)
+            prefix = f"{source}: " if path else ""
+            raise ValueError(f"{prefix}invalid config: {describe_errors(exc)}") from None

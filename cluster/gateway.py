@@ -16,6 +16,7 @@ import urllib.request
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlparse
 
@@ -35,7 +36,7 @@ from engine.multimodal import decode_data_url, load_image
 from engine.outputs import EngineCoreOutput
 from engine.request import Request as EngineRequest
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, chat_template_takes_content_parts
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 DISCONNECT_POLL_S = 0.1
@@ -337,9 +338,8 @@ class _Gateway:
     async def chat_completions(self, http: Request) -> Response:
         body = await self.parse(http, ChatCompletionRequest)
         try:
-            tokenizer = self.cluster.tokenizer
-            text = self._fits(tokenizer.apply_chat_template(body.template_messages()))
-            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            text = self._fits(self._render_chat(body))
+            token_ids = self.cluster.tokenizer.encode(text, add_special_tokens=False)
             images = [await self._fetch_image(url) for url in body.image_urls()]
             prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
             if images:
@@ -371,6 +371,19 @@ class _Gateway:
         )
 
     # ---- request building ------------------------------------------------------------
+    @cached_property
+    def _template_takes_content_parts(self) -> bool:
+        template = self.cluster.tokenizer.chat_template
+        return template is None or chat_template_takes_content_parts(template)
+
+    def _render_chat(self, body: ChatCompletionRequest) -> str:
+        """The chat prompt; a template that fails on these messages is the client's error."""
+        messages = body.template_messages(self._template_takes_content_parts)
+        try:
+            return self.cluster.tokenizer.apply_chat_template(messages)
+        except TypeError as exc:  # e.g. the template adds a string to a non-string value
+            raise ValueError(f"chat template failed: {exc}") from None
+
     def _fits(self, text: str) -> str:
         """Refuse, before tokenizing it (which holds the event loop), a text too long to
         fit the context whatever its tokens: each token spells at most max_token_chars

@@ -193,23 +193,54 @@ def _per_prompt(
 
 
 def init_ray(config: ClusterConfig) -> bool:
-    """Connect to (or start) Ray; True when this call started it."""
+    """Connect to (or start) Ray; True when this call started it.
+
+    Connecting to an address uses token authentication whenever a token is available
+    (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) and RAY_AUTH_MODE is unset:
+    Ray itself does so only for a cluster it finds with address "auto". A cluster that
+    cannot be reached, or refuses the token, raises one ConnectionError saying what to set.
+    """
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     kwargs: dict[str, Any] = {"namespace": config.ray.namespace, "log_to_driver": True}
     address = config.ray.address or _address_from_env()
-    if address:
-        kwargs["address"] = address
-    else:
-        kwargs.update(
+    if not address:
+        ray.init(
+            **kwargs,
             address="local",  # a new embedded cluster, not one `ray start` left running
             include_dashboard=False,  # never expose the dashboard from an embedded cluster
             num_cpus=config.ray.num_cpus,
             object_store_memory=config.ray.object_store_memory,
         )
-    ray.init(**kwargs)
+        logger.info("Ray is up (embedded, %s CPUs)", ray.cluster_resources().get("CPU"))
+        return True
+    token_auth = _enable_token_auth_if_token_available()
+    try:
+        ray.init(**kwargs, address=address)
+    except (ConnectionError, ray.exceptions.RayError) as exc:
+        hint = (
+            "the token was refused, or the cluster is down"
+            if token_auth and isinstance(exc, ConnectionError)
+            else "if it uses token authentication, set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, "
+            "or put the token in ~/.ray/auth_token)"
+        )
+        reason = str(exc).split(". ")[0].rstrip(".")
+        raise ConnectionError(f"cannot connect to Ray at {address}: {reason}; {hint}") from None
+    logger.info("connected to Ray at %s (token auth: %s)", address, token_auth)
     return True
+
+
+def _enable_token_auth_if_token_available() -> bool:
+    """Ray's rule for an auto-found cluster (token auth on when RAY_AUTH_MODE is unset and a
+    token exists), applied to an explicit address; True when token auth is on."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return False
+    return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def _address_from_env() -> str | None:

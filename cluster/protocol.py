@@ -125,18 +125,24 @@ class ChatCompletionRequest(_SamplingFields):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        """Messages for the chat template: images become {"type": "image"} parts."""
+    def template_messages(self, content_parts: bool = True) -> list[dict[str, Any]]:
+        """Messages for the chat template: images become {"type": "image"} parts. For a
+        template that takes string content only (`content_parts` False), text parts are
+        joined by newlines into one string, and an image part is refused."""
         out = []
         for m in self.messages:
             content: Any = m.content
-            if isinstance(content, list):
+            if isinstance(content, list) and content_parts:
                 content = [
                     {"type": "text", "text": p.text}
                     if isinstance(p, TextPart)
                     else {"type": "image"}
                     for p in content
                 ]
+            elif isinstance(content, list):
+                if not all(isinstance(p, TextPart) for p in content):
+                    raise ValueError("this model's chat template takes text content only")
+                content = "\n".join(p.text for p in content)
             out.append({"role": m.role, "content": content})
         return out
 

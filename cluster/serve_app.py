@@ -13,16 +13,15 @@ from ray.serve import Application
 
 from cluster.config import ClusterConfig
 
-DEFAULT_CONFIG = "ray_configs/local-1e1p1d.yaml"
+DEFAULT_CONFIG = "local-1e1p1d"  # a built-in topology (see cluster.config.config_path)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """Serve app builder. `args`: `config` (a topology YAML path; default the local 1E1P1D),
-    and optionally `model` (overrides the config's model)."""
+    """Serve app builder. `args`: `config` (a topology YAML path or a built-in topology's
+    name; default the local 1E1P1D), and optionally `model` (overrides the config's model)."""
     args = dict(args or {})
-    config = ClusterConfig.from_yaml(args.pop("config", DEFAULT_CONFIG))
-    if "model" in args:
-        config = config.model_copy(update={"model": args.pop("model")})
+    overrides = {"model": args.pop("model")} if "model" in args else {}
+    config = ClusterConfig.load(args.pop("config", DEFAULT_CONFIG), overrides)
     if args:
         raise ValueError(f"unknown build_app args: {sorted(args)} (expected config, model)")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
@@ -59,6 +60,26 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+def chat_template_takes_content_parts(source: str) -> bool:
+    """Whether a chat template renders a message `content` given as a list of {"type": ...}
+    parts: it loops over a `content` or reads a `type` (vLLM's detection). Templates that do
+    neither take `content` as a string only (e.g. ChatML's `'...' + message['content']`)."""
+
+    def key(node: nodes.Node) -> object:
+        if isinstance(node, nodes.Filter):  # `message['content'] | selectattr(...)`
+            return key(node.node) if node.node is not None else None
+        if isinstance(node, nodes.Getattr):
+            return node.attr
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+            return node.arg.value
+        return None
+
+    tree = jinja2.Environment(extensions=[loopcontrols]).parse(source)
+    loops_over_content = any(key(loop.iter) == "content" for loop in tree.find_all(nodes.For))
+    reads_type = any(key(n) == "type" for n in tree.find_all((nodes.Getattr, nodes.Getitem)))
+    return loops_over_content or reads_type
 
 
 class Tokenizer:

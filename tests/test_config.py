@@ -76,7 +76,7 @@ def test_unknown_key_is_rejected_by_name(fields, key):
 
 def test_unknown_key_in_yaml_is_rejected(tmp_path):
     path = write_yaml(tmp_path, {"mixed": {"count": 1}, "conector": {}})
-    with pytest.raises(ValidationError, match="conector"):
+    with pytest.raises(ValueError, match=f"{path}: invalid config: conector: Extra inputs"):
         ClusterConfig.from_yaml(path)
 
 
@@ -100,7 +100,9 @@ def test_topology_without_serving_instance_is_rejected(fields):
 def test_empty_yaml_is_rejected(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("", encoding="utf-8")
-    with pytest.raises(ValidationError, match="at least one"):
+    with pytest.raises(
+        ValueError, match="empty.yaml: invalid config: a topology needs at least one"
+    ):
         ClusterConfig.from_yaml(path)
 
 
@@ -173,3 +175,50 @@ def test_gateway_binds_loopback_and_needs_no_key_by_default():
     assert gateway.host == "127.0.0.1"
     assert gateway.api_key is None
     assert gateway.allowed_image_hosts == []  # remote image URLs are refused
+
+
+# ---- built-in names, file errors, overrides ----------------------------------------------
+
+
+def test_builtin_topologies_are_the_shipped_configs_by_name():
+    from cluster.config import builtin_config_names
+
+    assert builtin_config_names() == sorted(Path(name).stem for name in TOPOLOGIES)
+    for name, topology in TOPOLOGIES.items():
+        assert ClusterConfig.load(Path(name).stem).topology_name() == topology
+
+
+def test_unknown_config_name_lists_the_builtin_ones():
+    with pytest.raises(FileNotFoundError, match="no config file 'local-9p9d'.*local-1p1d"):
+        ClusterConfig.load("local-9p9d")
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("mixed:\n  count: 1\n  num_cpus: [1\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"broken\.yaml:4:1: invalid YAML: expected ','"):
+        ClusterConfig.load(path)
+
+
+def test_overrides_are_merged_into_the_yaml_and_validated_with_it():
+    config = ClusterConfig.load(
+        "local-1p1d", {"gateway": {"port": 9001}, "decode": {"count": 2}, "model": "m"}
+    )
+    assert (config.gateway.port, config.gateway.host) == (9001, "127.0.0.1")
+    assert config.topology_name() == "1P2D"
+    assert config.engine.num_blocks == 512  # untouched YAML values stay
+    assert config.model == "m"
+
+
+def test_invalid_override_names_the_file_the_field_and_the_value():
+    with pytest.raises(ValueError) as info:
+        ClusterConfig.load("local-1p1d", {"gateway": {"port": 99999}})
+    message = str(info.value)
+    assert "local-1p1d.yaml with the command-line flags: invalid config:" in message
+    assert "gateway.port: Input should be less than or equal to 65535 (got 99999)" in message
+
+
+def test_overrides_alone_need_no_yaml():
+    config = ClusterConfig.load(None, {"mixed": {"count": 1}, "engine": {"max_model_len": 64}})
+    assert config.topology_name() == "1mixed"
+    assert config.engine_settings("mixed").max_model_len == 64

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -277,3 +278,79 @@ def test_chat_text_too_long_for_the_context_is_refused_before_tokenizing(base_ur
     response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400
     assert "characters" in response.json()["error"]["message"]
+
+
+# ---- chat content: parts or strings, as the model's template takes them ------------------
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+)
+
+
+def test_chat_template_content_format_is_detected():
+    from engine.presets import chat_template
+    from engine.tokenizer import chat_template_takes_content_parts
+
+    assert not chat_template_takes_content_parts(CHATML)
+    assert chat_template_takes_content_parts(chat_template(allow_images=True, add_bos=True))
+    loop = "{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}"
+    assert chat_template_takes_content_parts(loop)
+
+
+@pytest.fixture(scope="module")
+def gateway_with_template(cluster, model_dir, tmp_path_factory):
+    """Factory: the base URL of a gateway over `cluster` whose tokenizer (same vocabulary)
+    renders chats with the given template."""
+    import shutil
+    from contextlib import ExitStack
+
+    from engine.tokenizer import Tokenizer
+
+    class WithTokenizer:  # the cluster, seen through another chat template
+        def __init__(self, tokenizer: Tokenizer) -> None:
+            self.tokenizer = tokenizer
+
+        def __getattr__(self, name: str):
+            return getattr(cluster, name)
+
+    stack = ExitStack()
+
+    def start_gateway(template: str) -> tuple[str, Tokenizer]:
+        folder = tmp_path_factory.mktemp("template")
+        for source in Path(model_dir).glob("*.json"):  # tokenizer and configs, no weights
+            shutil.copy(source, folder)
+        (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+        tokenizer = Tokenizer(folder)
+        app = create_app(WithTokenizer(tokenizer), GatewaySettings(), MODEL, cluster.max_model_len)
+        return stack.enter_context(running(app)), tokenizer
+
+    with stack:
+        yield start_gateway
+
+
+def test_text_parts_are_joined_for_a_template_that_takes_strings(gateway_with_template):
+    url, tokenizer = gateway_with_template(CHATML)
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": parts}]}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    expected = tokenizer.encode("<|im_start|>user\nHello\nworld<|im_end|>\n", False)
+    assert response.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_image_part_for_a_template_that_takes_strings_is_a_400(gateway_with_template):
+    url, _ = gateway_with_template(CHATML)
+    image = {"type": "image_url", "image_url": {"url": data_url(random_image(1, (8, 8)))}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [image]}]}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert "takes text content only" in response.json()["error"]["message"]
+
+
+def test_a_template_that_fails_while_rendering_is_a_400(gateway_with_template):
+    url, _ = gateway_with_template("{{ messages[0]['content'] + 1 }}")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert "chat template failed" in response.json()["error"]["message"]

@@ -1,0 +1,40 @@
+"""pdcluster: one namespace for the serving cluster and the offline engine.
+
+    import pdcluster
+
+    with pdcluster.launch(pdcluster.ClusterConfig(model="preset:tiny-llama", mixed={"count": 1})) as c:
+        print(c.generate("Hello", pdcluster.SamplingParams(max_tokens=8))[0].text)
+
+The names resolve on first use, so `import pdcluster` (and `pdcluster --version`) loads
+neither torch nor Ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+try:
+    __version__ = version("pdcluster")
+except PackageNotFoundError:  # a source tree on PYTHONPATH, never installed
+    __version__ = "0+unknown"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "Cluster": "cluster.launch",
+    "ClusterConfig": "cluster.config",
+    "LLM": "engine",
+    "SamplingParams": "engine",
+    "launch": "cluster.launch",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pdcluster' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # resolved once
+    return value

@@ -1,0 +1,167 @@
+"""`pdcluster` command line: serve flags, config errors, and `serve` as a real process
+(embedded Ray, SIGTERM) — the Ray token-auth runs are in test_token_auth.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+import pdcluster
+from cluster.cli import build_parser, load_serve_config, main
+from tests.cli_utils import (
+    descendants,
+    serve_command,
+    serve_env,
+    stop_serve,
+    wait_for,
+    wait_until_serving,
+)
+from tests.gateway_utils import free_port
+
+
+def serve_config(*flags: str):
+    return load_serve_config(build_parser().parse_args(["serve", *flags]))
+
+
+# ---- flags -> config ---------------------------------------------------------------------
+
+
+def test_role_flags_without_config_are_exactly_the_topology():
+    config = serve_config("--model", "preset:tiny-llama", "--prefills", "2", "--decodes", "1")
+    assert config.topology_name() == "2P1D"
+    assert config.model == "preset:tiny-llama"
+    assert serve_config("--mixed", "1").topology_name() == "1mixed"
+
+
+def test_no_config_and_no_role_flags_is_one_prefill_and_one_decode():
+    assert serve_config().topology_name() == "1P1D"
+
+
+def test_flags_override_a_builtin_config_by_name():
+    config = serve_config("--config", "local-1e1p1d", "--decodes", "2", "--num-blocks", "64")
+    assert config.topology_name() == "1E1P2D"
+    assert config.engine.num_blocks == 64
+    assert config.model == "preset:tiny-llava"  # from the YAML
+
+
+def test_gateway_and_ray_flags_land_in_their_sections():
+    config = serve_config(
+        "--mixed", "1", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k",
+        "--address", "10.0.0.1:6379", "--max-model-len", "512",
+    )  # fmt: skip
+    assert (config.gateway.host, config.gateway.port, config.gateway.api_key) == (
+        "0.0.0.0",
+        9000,
+        "k",
+    )
+    assert config.ray.address == "10.0.0.1:6379"
+    assert config.engine_settings("mixed").max_model_len == 512
+
+
+# ---- errors are one line, exit 2 -----------------------------------------------------------
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_out_of_range_port_is_a_clear_error(capsys):
+    code, err = run_main(capsys, "serve", "--model", "preset:tiny-llama", "--port", "99999")
+    assert code == 2
+    assert err == (
+        "error: invalid config: gateway.port: Input should be less than or equal to 65535 "
+        "(got 99999)\n"
+    )
+
+
+def test_bad_yaml_names_the_file_and_line(capsys, tmp_path):
+    path = tmp_path / "topology.yaml"
+    path.write_text("mixed:\n  count: 1\n   num_cpus: 1\n", encoding="utf-8")
+    code, err = run_main(capsys, "serve", "--config", str(path))
+    assert code == 2
+    assert err.startswith(f"error: {path}:3:") and err.count("\n") == 1
+
+
+def test_port_in_use_fails_before_anything_starts(capsys):
+    import ray
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        code, err = run_main(capsys, "serve", "--mixed", "1", "--port", str(port))
+    assert code == 2
+    assert err == f"error: port {port} on 127.0.0.1 is in use\n"
+    assert not ray.is_initialized()
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"pdcluster {pdcluster.__version__}\n"
+
+
+def test_serve_help_shows_examples(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "pdcluster serve --model preset:tiny-llama --prefills 1 --decodes 1" in out
+    assert "local-1p1d" in out
+
+
+def test_facade_package_exports_the_public_api():
+    from cluster.config import ClusterConfig
+    from cluster.launch import launch
+    from engine import LLM, SamplingParams
+
+    assert pdcluster.ClusterConfig is ClusterConfig and pdcluster.launch is launch
+    assert pdcluster.LLM is LLM and pdcluster.SamplingParams is SamplingParams
+    with pytest.raises(AttributeError):
+        _ = pdcluster.nothing_here
+
+
+# ---- serve as a process ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="finds Ray's processes in /proc")
+def test_sigterm_stops_serve_and_its_embedded_ray(tmp_path):
+    """What systemd and Kubernetes send: the gateway, the instances and the embedded Ray
+    (raylet, GCS) all go, and the process exits 0."""
+    port = free_port()
+    env = serve_env(tmp_path, RAY_AUTH_MODE="disabled")
+    command = serve_command("--model", "preset:tiny-llama", "--mixed", "1", "--port", str(port))
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_serving(process, port)
+        children = descendants(process.pid)
+        names = {name for _, name in children}
+        assert {"raylet", "gcs_server"} <= names, names
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
+            timeout=60,
+        )
+        assert response.status_code == 200
+        code, log = stop_serve(process, signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert code == 0, log
+    assert "serving 'tiny-llama' on http://127.0.0.1" in log and "stopped" in log
+    wait_for(lambda: not any(_alive(pid) for pid, _ in children), "Ray processes left running")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
