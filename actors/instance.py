@@ -1,8 +1,10 @@
 """InstanceActor: one E, P, D or mixed instance as a Ray actor with its own step loop.
 
 The engine is stepped on a dedicated thread; Ray calls arrive on the actor's event loop and
-talk to that thread through an inbox (commands in) and per-request asyncio queues (outputs
-out). The loop keeps stepping while the scheduler has any request, including finished ones
+talk to that thread through an inbox (commands in) and per-consumer outboxes (outputs out,
+read by each gateway replica with one `pull` per step for all its requests here, see
+actors/streams.py). A P given a `Route.decode_id` hands its finished request straight to
+that D (P tells D: no third process on the handoff) and streams the first token itself. The loop keeps stepping while the scheduler has any request, including finished ones
 whose KV load is in flight; after a step that ran no model it yields about 1 ms. It blocks on
 the inbox when there is nothing to do, nothing but sends awaiting acks (an ack wakes it;
 leases are checked every INBOX_POLL_S meanwhile), or nothing but requests deferred on an
@@ -24,8 +26,12 @@ from typing import Any
 
 import numpy as np
 import ray
+from ray.actor import ActorHandle
 
-from actors.streams import OutputStreams, reap_orphans
+from actors.kv_events import KVEventLog
+from actors.messages import LoadReport, PullReply, Route
+from actors.pixels import prefetch
+from actors.streams import Outboxes, reap_orphans
 from connectors.ray_ec import RayECConnector
 from connectors.ray_kv import RayKVConnector
 from engine.config import EngineConfig
@@ -34,12 +40,14 @@ from engine.encoder_core import EncoderCore
 from engine.outputs import EngineCoreOutput
 from engine.presets import resolve_model_dir
 from engine.request import Request
+from routing.handoff import for_decode, for_prefill
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("encoder", "prefill", "decode", "mixed")
 IDLE_YIELD_S = 0.001  # after a step that ran no model
 INBOX_POLL_S = 0.1  # how often an idle loop wakes to notice shutdown
+PULL_WAIT_S = 0.1  # a pull with no output returns after this: loads go out at >= 10 Hz
 
 
 @dataclass(frozen=True)
@@ -91,9 +99,14 @@ class InstanceActor:
         self._node_id = ray.get_runtime_context().get_node_id()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.core = build_core(spec, wake=lambda: self._inbox.put(("wake", None)))
-        self._streams = OutputStreams(spec.stream_idle_timeout_s)
+        if isinstance(self.core, EngineCore):
+            self.core.enable_kv_events()
+        self._streams = Outboxes(spec.stream_idle_timeout_s)
+        self._kv_log = KVEventLog()
+        self._handoffs: dict[str, tuple[Request, str]] = {}  # P: request id -> (it, its D)
+        self._decode_handles: dict[str, ActorHandle] = {}
+        self._encodes: dict[str, asyncio.Future] = {}  # encoder: request id -> its outputs
         self._mm_hashes: dict[str, list[str]] = {}  # encoder: request id -> its images
-        self._encoded: dict[str, dict[str, np.ndarray]] = {}  # encoder: finished outputs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reaper: asyncio.Task | None = None
         self._stats: dict[str, Any] = {}
@@ -105,37 +118,66 @@ class InstanceActor:
         self._thread.start()
 
     # ---- Ray-facing API (runs on the actor's event loop) --------------------------------
-    async def generate(
-        self, request: Request, ec_handle: list[ray.ObjectRef] | None = None
-    ) -> list[EngineCoreOutput]:
-        """Start a request; returns its first batch of outputs, `next_outputs` the rest
-        (see actors/streams.py). A stream its consumer stops reading is aborted."""
+    async def submit(self, request: Request, route: Route) -> None:
+        """Start a request whose outputs `route.consumer_id` pulls. With `route.decode_id`
+        (a P), the prompt is prefilled here and the request handed to that D."""
         rid = request.request_id
         if self._streams.aborted_before_start(rid):
-            return [EngineCoreOutput(rid, [], finish_reason="abort")]
+            return
+        self._start_reaper()
         try:
-            self._open_stream(rid)
+            self._streams.open(rid, route.consumer_id)
         except ValueError as exc:
-            return [EngineCoreOutput(rid, [], finish_reason="error", error=str(exc))]
-        self._inbox.put(("add", (request, ec_handle)))
-        return await self._streams.next_batch(rid)
+            out = EngineCoreOutput(rid, [], finish_reason="error", error=str(exc))
+            self._streams.reject(route.consumer_id, out)
+            return
+        if route.ec_handle is None and request.kv_transfer_params is None:
+            await prefetch(request.mm_features)  # this instance encodes its images
+        if route.decode_id is not None:
+            self._handoffs[rid] = (request, route.decode_id)
+            request = for_prefill(request)
+        self._inbox.put(("add", (request, route.ec_handle)))
 
-    async def next_outputs(self, request_id: str) -> list[EngineCoreOutput]:
-        """The outputs a started request produced since the last call (at least one)."""
-        return await self._streams.next_batch(request_id)
+    async def pull(
+        self, consumer_id: str, epoch: str | None = None, events_after: int = -1,
+        wait_s: float = PULL_WAIT_S,
+    ) -> PullReply:  # fmt: skip
+        """Every output for the consumer's requests since its last pull (waiting up to
+        `wait_s` for one), with this instance's load and prefix-cache events after the
+        consumer's cursor (`epoch`, `events_after`: from its previous reply)."""
+        self._start_reaper()
+        outputs = await self._streams.pull(consumer_id, wait_s)
+        stats = self._stats
+        load = LoadReport(
+            num_active=stats.get("num_unfinished", 0) + len(self._encodes),
+            queued_prefill_tokens=stats.get("prefill_tokens_queued", 0),
+            kv_tokens=stats.get("kv_tokens_reserved", 0),
+            num_blocks_free=stats.get("num_blocks_free", 0),
+            num_blocks_total=stats.get("num_blocks_total", 0),
+        )
+        events = self._kv_log.since(epoch, events_after)
+        return PullReply(outputs, load, events, accepting=not (self._draining or self._stopping))
 
     async def encode(self, request: Request) -> dict[str, np.ndarray]:
         """Encoder role: the encoder outputs of every image of `request`, by mm_hash."""
         if self.spec.role != "encoder":
             raise ValueError(f"instance {self.spec.instance_id} is not an encoder")
-        self._open_stream(request.request_id)
-        self._mm_hashes[request.request_id] = [f.mm_hash for f in request.mm_features]
+        rid = request.request_id
+        if self._streams.aborted_before_start(rid):
+            return {}
+        self._start_reaper()
+        future = self._encodes[rid] = asyncio.get_running_loop().create_future()
+        await prefetch(request.mm_features)
+        if future.done():  # aborted meanwhile
+            self._encodes.pop(rid, None)
+            return {}
+        self._mm_hashes[rid] = [f.mm_hash for f in request.mm_features]
         self._inbox.put(("add", (request, None)))
         try:
-            out = (await self._streams.next_batch(request.request_id))[-1]
+            out, outputs = await future
         finally:
-            self._mm_hashes.pop(request.request_id, None)
-        outputs = self._encoded.pop(request.request_id, {})
+            self._encodes.pop(rid, None)
+            self._mm_hashes.pop(rid, None)
         if out.finish_reason == "error":
             raise ValueError(out.error or "encoding failed")
         return outputs
@@ -146,6 +188,10 @@ class InstanceActor:
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._streams.close(request_id)
+            self._handoffs.pop(request_id, None)
+            future = self._encodes.get(request_id)
+            if future is not None and not future.done():
+                future.set_result((EngineCoreOutput(request_id, [], finish_reason="abort"), {}))
         self._inbox.put(("abort", request_ids))
 
     async def ack_kv(self, request_id: str) -> None:
@@ -156,7 +202,7 @@ class InstanceActor:
             self._inbox.put(("wake", None))  # an idle loop steps to free the blocks
 
     async def stats(self) -> dict[str, Any]:
-        return {**self._stats, "num_streams": len(self._streams)}
+        return {**self._stats, "num_streams": len(self._streams) + len(self._encodes)}
 
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stopping
@@ -184,11 +230,10 @@ class InstanceActor:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
         self.core.shutdown()
 
-    def _open_stream(self, request_id: str) -> None:
+    def _start_reaper(self) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._reaper = self._loop.create_task(reap_orphans(self._streams, self._abort))
-        self._streams.open(request_id)
 
     # ---- the step loop (its own thread) -------------------------------------------------
     def _run(self) -> None:
@@ -215,6 +260,8 @@ class InstanceActor:
             self._deliver(out)
         if isinstance(self.core, EncoderCore):
             self.core.ec_connector.clear_outbox()
+        elif (events := self.core.take_kv_events()) and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._kv_log.extend, events)
         self._publish_stats()
         return model_executed
 
@@ -252,17 +299,59 @@ class InstanceActor:
             self.core.abort_requests(arg)  # their streams were closed already
 
     def _deliver(self, out: EngineCoreOutput) -> None:
+        """Hand an output to the event loop (from the step thread)."""
         if self._loop is None:
             return
-        if self.spec.role == "encoder" and out.finished:
-            hashes = self._mm_hashes.pop(out.request_id, [])
-            outputs = self.core.ec_connector.take_outputs(hashes)
-            self._loop.call_soon_threadsafe(self._keep_encoded, out.request_id, outputs)
-        self._loop.call_soon_threadsafe(self._streams.put, out)
+        if self.spec.role == "encoder":
+            if out.finished:
+                outputs = self.core.ec_connector.take_outputs(
+                    self._mm_hashes.get(out.request_id, [])
+                )
+                self._loop.call_soon_threadsafe(self._encoded, out, outputs)
+        elif out.finished and out.request_id in self._handoffs:
+            self._loop.call_soon_threadsafe(self._hand_off, out)
+        else:
+            self._loop.call_soon_threadsafe(self._streams.put, out)
 
-    def _keep_encoded(self, request_id: str, outputs: dict[str, np.ndarray]) -> None:
-        if request_id in self._streams:  # else `encode` was aborted and returned
-            self._encoded[request_id] = outputs
+    def _encoded(self, out: EngineCoreOutput, outputs: dict[str, np.ndarray]) -> None:
+        future = self._encodes.get(out.request_id)
+        if future is not None and not future.done():  # else `encode` was aborted
+            future.set_result((out, outputs))
+
+    def _hand_off(self, out: EngineCoreOutput) -> None:
+        """P finished a prefill: pass the request to its D, which reads the KV and streams
+        the rest; the first token goes to the consumer from here. A request that ends here
+        (an error, EOS, a stop string) frees the KV nobody will read."""
+        handoff = self._handoffs.pop(out.request_id, None)
+        if handoff is None or out.request_id not in self._streams:
+            return  # aborted meanwhile: the abort frees the KV
+        request, decode_id = handoff
+        params = out.kv_transfer_params
+        out = dataclasses.replace(out, kv_transfer_params=None)
+        if out.finish_reason != "length" or params is None:
+            if params is not None:
+                self._inbox.put(("abort", [out.request_id]))
+            self._streams.put(out)
+            return
+        try:
+            handle = self._decode_handle(decode_id)
+        except ValueError as exc:
+            self._inbox.put(("abort", [out.request_id]))
+            self._streams.put(dataclasses.replace(out, finish_reason="error", error=str(exc)))
+            return
+        consumer_id = self._streams.consumer_of(out.request_id)
+        handle.submit.remote(for_decode(request, out.new_token_ids[0], params), Route(consumer_id))
+        self._streams.put(dataclasses.replace(out, finish_reason=None))
+        self._streams.close(out.request_id)  # D streams the rest; P holds KV until D's ack
+
+    def _decode_handle(self, decode_id: str) -> ActorHandle:
+        handle = self._decode_handles.get(decode_id)
+        if handle is None:
+            try:
+                handle = self._decode_handles[decode_id] = ray.get_actor(decode_id)
+            except ValueError:
+                raise ValueError(f"decode instance {decode_id} is gone") from None
+        return handle
 
     def _fail_all(self, message: str) -> None:
         """Finish every request with an error (after an internal failure or at shutdown)."""

@@ -1,50 +1,56 @@
-"""Per-request output streams that a consumer pulls, a batch per call.
+"""Per-consumer outboxes of one instance: the outputs that a gateway replica pulls.
 
-The router reads an instance, and a client reads the router, by plain actor calls: one call
-starts a request and returns its first batch, each next call returns the outputs produced
-since. Small replies travel inline, so a consumer that hangs up or dies mid-stream leaves
-nothing in the object store (a cancelled Ray streaming generator can leave an item pinned).
-A stream nobody has pulled for `idle_timeout_s` lost its consumer; its owner aborts it.
+A gateway replica (the consumer) starts requests with `submit` and reads all of its
+requests on an instance with one `pull` per step; each pull returns every output produced
+for that consumer since its last one. Replies travel inline, so a consumer that hangs up
+or dies mid-stream leaves nothing in the object store. A consumer that has not pulled for
+`idle_timeout_s` is gone (its replica died): its requests are aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.outputs import EngineCoreOutput
 
 
 @dataclass
-class _Stream:
-    queue: asyncio.Queue[EngineCoreOutput] = field(default_factory=asyncio.Queue)
+class _Outbox:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    request_ids: set[str] = field(default_factory=set)
     last_pull: float = field(default_factory=time.monotonic)
     pulling: bool = False
 
 
-class OutputStreams:
-    """The open streams of one actor; every method runs on that actor's event loop."""
+class Outboxes:
+    """The open requests of one instance by consumer; every method runs on the actor's
+    event loop."""
 
     def __init__(self, idle_timeout_s: float) -> None:
         self.idle_timeout_s = idle_timeout_s
-        self._streams: dict[str, _Stream] = {}
+        self._boxes: dict[str, _Outbox] = {}
+        self._consumer_of: dict[str, str] = {}  # open request id -> consumer id
         self._closed_unopened: dict[str, float] = {}  # aborts that overtook their start
 
     def __len__(self) -> int:
-        return len(self._streams)
+        """Open requests: started and not yet finished or aborted."""
+        return len(self._consumer_of)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._streams
+        return request_id in self._consumer_of
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._streams))
-
-    def open(self, request_id: str) -> None:
-        if request_id in self._streams:
+    def open(self, request_id: str, consumer_id: str) -> None:
+        if request_id in self._consumer_of:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._streams[request_id] = _Stream()
+        self._consumer_of[request_id] = consumer_id
+        self._box(consumer_id).request_ids.add(request_id)
+
+    def consumer_of(self, request_id: str) -> str:
+        return self._consumer_of[request_id]
 
     def aborted_before_start(self, request_id: str) -> bool:
         """Whether the request's abort arrived before the call that starts it (Ray may run
@@ -52,48 +58,72 @@ class OutputStreams:
         return self._closed_unopened.pop(request_id, None) is not None
 
     def put(self, out: EngineCoreOutput) -> None:
-        """Queue an output for its consumer; dropped when its stream was closed."""
-        stream = self._streams.get(out.request_id)
-        if stream is not None:
-            stream.queue.put_nowait(out)
+        """Queue an output for its consumer; dropped when the request was closed. A finished
+        output closes the request."""
+        consumer_id = self._consumer_of.get(out.request_id)
+        if consumer_id is None:
+            return
+        box = self._boxes[consumer_id]
+        box.outputs.append(out)
+        box.ready.set()
+        if out.finished:
+            del self._consumer_of[out.request_id]
+            box.request_ids.discard(out.request_id)
 
-    async def next_batch(self, request_id: str) -> list[EngineCoreOutput]:
-        """Wait for an output, then take every other one queued. A stream ends (and closes)
-        with a finished output; an unknown or closed one reads as aborted."""
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return [EngineCoreOutput(request_id, [], finish_reason="abort")]
-        stream.pulling = True
-        try:
-            batch = [await stream.queue.get()]
-        finally:
-            stream.pulling = False
-            stream.last_pull = time.monotonic()
-        while not stream.queue.empty():
-            batch.append(stream.queue.get_nowait())
-        if batch[-1].finished and self._streams.get(request_id) is stream:
-            del self._streams[request_id]
-        return batch
+    def reject(self, consumer_id: str, out: EngineCoreOutput) -> None:
+        """Queue a final output for a request that was never opened (e.g. a reused id)."""
+        box = self._box(consumer_id)
+        box.outputs.append(out)
+        box.ready.set()
 
     def close(self, request_id: str) -> None:
-        """End a stream now; a pull waiting on it reads an abort."""
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
+        """The consumer gave the request up: forget it, queue nothing more for it."""
+        consumer_id = self._consumer_of.pop(request_id, None)
+        if consumer_id is None:
             self._closed_unopened[request_id] = time.monotonic()
         else:
-            stream.queue.put_nowait(EngineCoreOutput(request_id, [], finish_reason="abort"))
+            self._boxes[consumer_id].request_ids.discard(request_id)
+
+    async def pull(self, consumer_id: str, wait_s: float) -> list[EngineCoreOutput]:
+        """Every output queued for the consumer, waiting up to `wait_s` for the first."""
+        box = self._box(consumer_id)
+        box.pulling = True
+        try:
+            if not box.outputs:
+                await asyncio.wait_for(box.ready.wait(), wait_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            box.pulling = False
+            box.last_pull = time.monotonic()
+        outputs, box.outputs = box.outputs, []
+        box.ready.clear()
+        return outputs
 
     def orphaned(self) -> list[str]:
-        """Streams with no pull waiting and none for `idle_timeout_s`: their consumer died."""
+        """Open requests of consumers that stopped pulling (with none waiting) for
+        `idle_timeout_s`: their consumer died. Such consumers are forgotten."""
         deadline = time.monotonic() - self.idle_timeout_s
         for rid in [r for r, t in self._closed_unopened.items() if t < deadline]:
             del self._closed_unopened[rid]
-        return [rid for rid, s in self._streams.items() if not s.pulling and s.last_pull < deadline]
+        gone = [c for c, b in self._boxes.items() if not b.pulling and b.last_pull < deadline]
+        orphans = []
+        for consumer_id in gone:
+            orphans += self._boxes.pop(consumer_id).request_ids
+        for rid in orphans:
+            self._consumer_of.pop(rid, None)
+        return orphans
+
+    def _box(self, consumer_id: str) -> _Outbox:
+        box = self._boxes.get(consumer_id)
+        if box is None:
+            box = self._boxes[consumer_id] = _Outbox()
+        return box
 
 
-async def reap_orphans(streams: OutputStreams, abort: Callable[[list[str]], None]) -> None:
+async def reap_orphans(outboxes: Outboxes, abort: Callable[[list[str]], None]) -> None:
     """Run for an actor's lifetime: abort the requests whose consumers went away."""
     while True:
-        await asyncio.sleep(min(1.0, streams.idle_timeout_s / 4))
-        if orphans := streams.orphaned():
+        await asyncio.sleep(min(1.0, outboxes.idle_timeout_s / 4))
+        if orphans := outboxes.orphaned():
             abort(orphans)

@@ -97,9 +97,14 @@ def serve_in_thread(app: Any, timeout_s: float = 30.0) -> Iterator[str]:
     """Serve a FastAPI app on 127.0.0.1 until the block ends; yields the base URL."""
     import uvicorn
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True, name="bench-gateway")
+    from cluster.replicas import listen
+
+    sock = listen("127.0.0.1", 0, reuse_port=True)  # more replicas may share the port
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="bench-gateway"
+    )
     thread.start()
     deadline = time.monotonic() + timeout_s
     while not server.started:
@@ -111,6 +116,7 @@ def serve_in_thread(app: Any, timeout_s: float = 30.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+        sock.close()
 
 
 def wait_quiet(target: Target, timeout_s: float = 60.0) -> bool:

@@ -165,6 +165,9 @@ class GatewaySettings(_Strict):
     served_model_name: str | None = Field(
         None, description="model id in the API (default: folder name)"
     )
+    replicas: int = Field(
+        1, ge=1, le=64, description="gateway processes sharing the listen address (SO_REUSEPORT)"
+    )
 
 
 class RaySettings(_Strict):

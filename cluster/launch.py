@@ -1,7 +1,10 @@
-"""Start a pdcluster on Ray: instance actors per role (in placement groups) and a router.
+"""Start a pdcluster on Ray: instance actors per role (in placement groups) and the
+registry of that pool; `connect` attaches another gateway replica to a running pool.
 
 `launch(config)` uses an existing cluster when `ray.address` is set (or Ray is already
-initialised), and otherwise starts an embedded local Ray with no dashboard.
+initialised), and otherwise starts an embedded local Ray with no dashboard. The `Cluster` it
+returns is one gateway replica's client: it plans, submits and reads tokens itself
+(actors/front.py); nothing central is on a request's path.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.front import Front
 from actors.instance import InstanceActor, InstanceSpec
-from actors.router import RouterActor
+from actors.registry import Registry
 from cluster.config import ROLES, ClusterConfig
-from cluster.router import RouterConfig
 from engine.llm import RequestOutput, merge_output, new_request_output
 from engine.models.loader import read_model_info
 from engine.outputs import EngineCoreOutput
@@ -33,6 +36,7 @@ from engine.processor import InputProcessor, PromptType
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from routing.policy import RouterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,23 +45,30 @@ READY_TIMEOUT_S = 300.0
 
 
 class Cluster:
-    """Handles to a running pdcluster, and a client API over its router."""
+    """A gateway replica's handle on a running pdcluster: its client API plans each request
+    and streams it straight from the instances. `owned`: this process launched the pool and
+    shuts it down (else it only detaches)."""
 
     def __init__(
         self,
         config: ClusterConfig,
         model_dir: str,
-        router: ray.actor.ActorHandle,
-        instances: dict[str, tuple[str, ray.actor.ActorHandle]],
-        placement_groups: list[PlacementGroup],
-        owns_ray: bool,
+        pool: str,
+        registry: ray.actor.ActorHandle,
+        launched: list[ray.actor.ActorHandle] | None = None,
+        placement_groups: list[PlacementGroup] | None = None,
+        owns_ray: bool = False,
+        owned: bool = True,
     ) -> None:
         self.config = config
         self.model_dir = model_dir
-        self.router = router
-        self.instances = instances
-        self._placement_groups = placement_groups
+        self.pool = pool  # the instance pool's name: other replicas attach by it
+        self.registry = registry
+        self.front = Front(lambda: ray.get(registry.members.remote()), _router_config(config))
+        self._launched = launched or []  # the owner's handles keep the actors alive
+        self._placement_groups = placement_groups or []
         self._owns_ray = owns_ray
+        self._owned = owned
         self.tokenizer = Tokenizer(model_dir)
         self.model_info = read_model_info(model_dir)
         self.processor = InputProcessor(model_dir, self.tokenizer, self.model_info)
@@ -74,25 +85,14 @@ class Cluster:
         request_id = request_id or f"{self._prefix}-{next(self._ids)}"
         return self.processor.process(request_id, prompt, params or SamplingParams())
 
-    async def stream(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
+    def stream(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
         """Outputs of one request as they arrive; leaving early aborts it everywhere."""
-        rid = request.request_id
-        finished = False
-        try:
-            batch = await self.router.generate.remote(request)
-            while True:
-                for out in batch:
-                    finished = finished or out.finished
-                    yield out
-                if finished:
-                    return
-                batch = await self.router.next_outputs.remote(rid)
-        except ray.exceptions.RayError as exc:  # e.g. the router died mid-request
-            finished = True
-            yield EngineCoreOutput(rid, [], finish_reason="error", error=f"router failed: {exc}")
-        finally:
-            if not finished:
-                self.router.abort.remote(rid)
+        return self.front.stream(request)
+
+    @property
+    def instances(self) -> dict[str, tuple[str, ray.actor.ActorHandle]]:
+        """instance id -> (role, actor handle), as this replica sees the pool now."""
+        return self.front.handles()
 
     async def generate_async(
         self,
@@ -120,10 +120,10 @@ class Cluster:
         return result
 
     def stats(self) -> list[dict[str, Any]]:
-        return ray.get(self.router.cluster_stats.remote())
+        return self.front.cluster_stats().result()
 
     async def stats_async(self) -> list[dict[str, Any]]:
-        return await self.router.cluster_stats.remote()
+        return await asyncio.wrap_future(self.front.cluster_stats())
 
     @property
     def model_name(self) -> str:
@@ -150,13 +150,16 @@ class Cluster:
             time.sleep(0.05)
 
     def shutdown(self) -> None:
-        handles = [h for _, h in self.instances.values()]
-        with contextlib.suppress(ray.exceptions.RayError):  # dead actors hold nothing
-            ray.get([h.shutdown.remote() for h in handles], timeout=30)
-        for handle in [*handles, self.router]:
-            ray.kill(handle, no_restart=True)
-        for pg in self._placement_groups:
-            remove_placement_group(pg)
+        handles = self._launched
+        self.front.close()
+        if self._owned:
+            with contextlib.suppress(ray.exceptions.RayError):  # dead actors hold nothing
+                ray.get([h.shutdown.remote() for h in handles], timeout=30)
+            ray.get(self.registry.forget.remote())
+            for handle in [*handles, self.registry]:
+                ray.kill(handle, no_restart=True)
+            for pg in self._placement_groups:
+                remove_placement_group(pg)
         if self._owns_ray:
             ray.shutdown()
 
@@ -250,14 +253,33 @@ def _address_from_env() -> str | None:
     return address if address and not address.startswith(("http://", "https://")) else None
 
 
-def launch(config: ClusterConfig | str | Path) -> Cluster:
-    """Start every instance of the topology and the router; returns when all are ready."""
+def launch(
+    config: ClusterConfig | str | Path, pool: str | None = None, detached: bool = False
+) -> Cluster:
+    """Start every instance of the topology and the pool's registry; returns when all are
+    ready. With `pool` naming a pool that is already up (or being launched by another
+    process), attach to it instead: every caller gets its own gateway-side client of the
+    one pool. `detached` pools outlive the process that launched them (a Serve app's
+    replicas come and go); `shutdown_pool` ends one."""
     if not isinstance(config, ClusterConfig):
         config = ClusterConfig.from_yaml(config)
     owns_ray = init_ray(config)
     model = config.model or DEFAULT_MODEL
     model_dir = resolve_model_dir(model)  # the driver tokenizes, so it needs the files too
-    name = f"pdc-{uuid.uuid4().hex[:6]}"
+    name = pool or f"pdc-{uuid.uuid4().hex[:6]}"
+    lifetime = "detached" if detached else None
+    registry = (
+        ray.remote(Registry)
+        .options(
+            name=f"{name}-registry", get_if_exists=True, num_cpus=0, max_restarts=-1,
+            lifetime=lifetime,
+        )
+        .remote(name)
+    )  # fmt: skip
+    if not ray.get(registry.claim.remote(), timeout=READY_TIMEOUT_S):
+        members = ray.get(registry.wait_ready.remote(), timeout=READY_TIMEOUT_S)
+        logger.info("attached to pdcluster %s: %d instances", name, len(members))
+        return Cluster(config, model_dir, name, registry, owns_ray=owns_ray, owned=False)
     instances: dict[str, tuple[str, ray.actor.ActorHandle]] = {}
     groups = []
     try:
@@ -265,40 +287,63 @@ def launch(config: ClusterConfig | str | Path) -> Cluster:
             spec = config.role(role)
             if spec.count == 0:
                 continue
-            pg = _placement_group(spec)
+            pg = _placement_group(spec, f"{name}-{role}", lifetime)
             groups.append(pg)
             for index in range(spec.count):
                 iid = f"{name}-{role}-{index}"
-                instances[iid] = (role, _start_instance(config, role, iid, model, pg, index))
+                handle = _start_instance(config, role, iid, model, pg, index, lifetime)
+                instances[iid] = (role, handle)
         ray.get([h.health.remote() for _, h in instances.values()], timeout=READY_TIMEOUT_S)
-        router = (
-            ray.remote(RouterActor)
-            .options(name=f"{name}-router", num_cpus=0, max_concurrency=100_000, max_restarts=-1)
-            .remote({iid: role for iid, (role, _) in instances.items()}, _router_config(config))
-        )
-        ray.get(router.num_in_flight.remote(), timeout=READY_TIMEOUT_S)
+        ray.get(registry.publish.remote({iid: role for iid, (role, _) in instances.items()}))
     except BaseException:
-        for _, handle in instances.values():
+        for _, handle in [*instances.values(), (None, registry)]:
             ray.kill(handle, no_restart=True)
         for pg in groups:
             remove_placement_group(pg)
         raise
     logger.info("pdcluster %s is up: %s", name, config.topology_name())
-    return Cluster(config, model_dir, router, instances, groups, owns_ray)
+    handles = [h for _, h in instances.values()]
+    return Cluster(config, model_dir, name, registry, handles, groups, owns_ray)
 
 
-def _placement_group(spec) -> PlacementGroup:
+def shutdown_pool(pool: str, namespace: str | None = None) -> bool:
+    """End a (detached) pool by name: its instances, placement groups and registry. False
+    when no such pool is up."""
+    try:
+        registry = ray.get_actor(f"{pool}-registry", namespace=namespace)
+    except ValueError:
+        return False
+    members = ray.get(registry.members.remote())
+    handles = [ray.get_actor(iid, namespace=namespace) for iid in members]
+    with contextlib.suppress(ray.exceptions.RayError):
+        ray.get([h.shutdown.remote() for h in handles], timeout=30)
+    ray.get(registry.forget.remote())
+    for handle in [*handles, registry]:
+        ray.kill(handle, no_restart=True)
+    for role in ROLES:
+        with contextlib.suppress(ValueError):  # no group of that role
+            remove_placement_group(ray.util.get_placement_group(f"{pool}-{role}"))
+    return True
+
+
+def _placement_group(spec, name: str, lifetime: str | None) -> PlacementGroup:
     bundle: dict[str, float] = {"CPU": spec.num_cpus, **spec.resources}
     if spec.num_gpus:
         bundle["GPU"] = spec.num_gpus
     bundle = {k: v for k, v in bundle.items() if v} or {"CPU": 0.01}
-    pg = placement_group([bundle] * spec.count, strategy="PACK")
+    pg = placement_group([bundle] * spec.count, strategy="PACK", name=name, lifetime=lifetime)
     ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
     return pg
 
 
 def _start_instance(
-    config: ClusterConfig, role: str, iid: str, model: str, pg: PlacementGroup, index: int
+    config: ClusterConfig,
+    role: str,
+    iid: str,
+    model: str,
+    pg: PlacementGroup,
+    index: int,
+    lifetime: str | None,
 ) -> ray.actor.ActorHandle:
     spec = config.role(role)
     instance = InstanceSpec(
@@ -322,6 +367,7 @@ def _start_instance(
             ),
             max_concurrency=100_000,
             max_restarts=3,
+            lifetime=lifetime,
         )
         .remote(instance)
     )
@@ -337,5 +383,4 @@ def _router_config(config: ClusterConfig) -> RouterConfig:
         prefix_slack_tokens=r.prefix_slack_tokens,
         disagg_min_prompt_tokens=r.disagg_min_prompt_tokens,
         decode_prefix_fraction=r.decode_prefix_fraction,
-        stream_idle_timeout_s=r.stream_idle_timeout_s,
     )

@@ -39,7 +39,7 @@ _GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], float]]] = {
         lambda s: s.get("num_pending_sends", 0) + s.get("num_pending_recvs", 0),
     ),
     "pdcluster_instance_healthy": (
-        "1 when the router sees the instance healthy",
+        "1 when this gateway replica sees the instance healthy",
         lambda s: float(s.get("healthy", False)),
     ),
 }

@@ -1,43 +1,26 @@
-"""Run the gateway over a cluster: in this process with uvicorn (`pdcluster serve`)."""
+"""Run the gateway over a cluster (`pdcluster serve`): this process is replica 0; with
+`gateway.replicas` > 1 the others are Ray actors sharing its address (cluster/replicas.py)."""
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import logging
 import signal
-import socket
 from types import FrameType
 
-import uvicorn
+import ray
 from fastapi import FastAPI
 
 from cluster.config import ClusterConfig
 from cluster.gateway import create_app
 from cluster.launch import Cluster, launch
+from cluster.replicas import listen, start_replicas, uvicorn_server
 
 logger = logging.getLogger(__name__)
 
 
 def gateway_app(cluster: Cluster) -> FastAPI:
     return create_app(cluster, cluster.config.gateway, cluster.model_name, cluster.max_model_len)
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port; a port in use is one clear ValueError."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-    try:
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise ValueError(f"port {port} on {host} is in use") from None
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    return sock
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -57,21 +40,28 @@ def serve(config: ClusterConfig) -> None:
 
     The listen port is bound before anything starts, so a port in use fails at once."""
     settings = config.gateway
-    with listen(settings.host, settings.port) as sock:
+    with listen(settings.host, settings.port, reuse_port=settings.replicas > 1) as sock:
         host, port = sock.getsockname()[:2]
         logger.info("starting %s with model %s", config.topology_name(), config.model or "default")
         cluster = None
+        replicas: list[ray.actor.ActorHandle] = []
         try:
             stop_on_sigterm()
             cluster = launch(config)
             stop_on_sigterm()
             _log_instances(cluster)
-            logger.info("serving %r on http://%s:%d/v1", cluster.model_name, host, port)
-            server = uvicorn.Server(uvicorn.Config(gateway_app(cluster), log_level="info"))
-            server.run(sockets=[sock])
+            replicas = start_replicas(config, cluster.pool, host, port, settings.replicas - 1)
+            logger.info(
+                "serving %r on http://%s:%d/v1 (%d gateway replicas)",
+                cluster.model_name, host, port, settings.replicas,
+            )  # fmt: skip
+            uvicorn_server(gateway_app(cluster)).run(sockets=[sock])
         except KeyboardInterrupt:
             logger.info("stopping")
         finally:
+            for replica in replicas:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    ray.kill(replica, no_restart=True)
             if cluster is not None:
                 cluster.shutdown()
                 logger.info("stopped")

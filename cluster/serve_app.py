@@ -1,7 +1,10 @@
 """Ray Serve application: the same gateway, for a KubeRay RayService.
 
 `serveConfigV2` names `import_path: cluster.serve_app:build_app` with `args: {config: ...}`.
-The gateway replica starts the pdcluster instances (actors) on the Ray cluster it runs in.
+Every replica of the gateway deployment attaches to ONE instance pool (named by `pool`):
+the first replica to start launches it (detached, so it outlives replicas that come and go),
+the others attach; each replica plans its own requests and reads tokens straight from the
+instances. So `num_replicas` > 1 and Serve autoscaling work.
 """
 
 from __future__ import annotations
@@ -14,28 +17,43 @@ from ray.serve import Application
 from cluster.config import ClusterConfig
 
 DEFAULT_CONFIG = "local-1e1p1d"  # a built-in topology (see cluster.config.config_path)
+DEFAULT_POOL = "pdcluster-serve"
+BUILD_ARGS = ("config", "model", "pool", "num_replicas", "autoscaling_config")
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """Serve app builder. `args`: `config` (a topology YAML path or a built-in topology's
-    name; default the local 1E1P1D), and optionally `model` (overrides the config's model)."""
+    """Serve app builder. `args`: `config` (a topology YAML path, a built-in topology's name,
+    or the config itself as a mapping; default the local 1E1P1D), optionally `model` (overrides the config's model),
+    `pool` (the instance pool's name, default "pdcluster-serve"), and the gateway
+    deployment's `num_replicas` or `autoscaling_config`."""
     args = dict(args or {})
-    overrides = {"model": args.pop("model")} if "model" in args else {}
-    config = ClusterConfig.load(args.pop("config", DEFAULT_CONFIG), overrides)
-    if args:
-        raise ValueError(f"unknown build_app args: {sorted(args)} (expected config, model)")
+    unknown = sorted(set(args) - set(BUILD_ARGS))
+    if unknown:
+        raise ValueError(f"unknown build_app args: {unknown} (expected {', '.join(BUILD_ARGS)})")
+    overrides = {"model": args["model"]} if "model" in args else {}
+    source = args.get("config", DEFAULT_CONFIG)
+    if isinstance(source, dict):
+        config = ClusterConfig.model_validate({**source, **overrides})
+    else:
+        config = ClusterConfig.load(source, overrides)
+    pool = args.get("pool", DEFAULT_POOL)
 
     def build_gateway():
         from cluster.launch import launch
         from cluster.serve import gateway_app
 
-        return gateway_app(launch(config))
+        return gateway_app(launch(config, pool=pool, detached=True))
 
+    options: dict[str, Any] = {}
+    for key in ("num_replicas", "autoscaling_config"):
+        if key in args:
+            options[key] = args[key]
     ingress = serve.ingress(build_gateway)()
     deployment = serve.deployment(
         ingress,
         name="pdcluster-gateway",
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=1024,
+        **options,
     )
     return deployment.bind()

@@ -100,6 +100,19 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[int, KVCacheBlock] = {}  # block hash -> full cached block
         self.num_evictions = 0
+        # (stored, block hash) in the order the map changed, for routers that index what each
+        # instance caches (like vLLM's KV events); None until `enable_kv_events`.
+        self.kv_events: list[tuple[bool, int]] | None = None
+
+    def enable_kv_events(self) -> None:
+        """Record every hash the map gains or loses until `take_kv_events` drains them."""
+        self.kv_events = []
+
+    def take_kv_events(self) -> list[tuple[bool, int]]:
+        events = self.kv_events or []
+        if events:
+            self.kv_events = []
+        return events
 
     def get_num_free_blocks(self) -> int:
         """Blocks with no reference, cached or not: what `get_new_blocks` can hand out."""
@@ -119,6 +132,7 @@ class BlockPool:
         for block in blocks:
             if block.block_hash is not None:
                 del cached[block.block_hash]
+                self._record(False, block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -155,6 +169,7 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             cached[block_hash] = block
+            self._record(True, block_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only when no block is referenced."""
@@ -167,5 +182,10 @@ class BlockPool:
         """Make every block unreachable by prefix lookups, referenced or not (after a failed
         step, whose blocks may hold partial KV): each is freed, later, as an uncached one."""
         for block in self.cached_blocks.values():
+            self._record(False, block.block_hash)
             block.block_hash = None
         self.cached_blocks.clear()
+
+    def _record(self, stored: bool, block_hash: int) -> None:
+        if self.kv_events is not None:
+            self.kv_events.append((stored, block_hash))

@@ -115,6 +115,13 @@ class EngineCore:
             and all(ec is not None and ec.awaits_outputs(r.request_id) for r in s.skipped_waiting)
         )
 
+    def enable_kv_events(self) -> None:
+        self.scheduler.kv_cache_manager.block_pool.enable_kv_events()
+
+    def take_kv_events(self) -> list[tuple[bool, int]]:
+        """(stored, block hash) changes of the prefix cache since the last call."""
+        return self.scheduler.kv_cache_manager.block_pool.take_kv_events()
+
     def request_ids(self) -> list[str]:
         """Every request this instance holds state for, finished-but-held ones included."""
         return list(self.scheduler.requests)

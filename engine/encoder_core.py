@@ -38,7 +38,7 @@ class EncoderCore:
     def add_request(self, request: Request) -> None:
         if not request.mm_features:
             raise ValueError("an encoder instance only takes requests with images")
-        if any(f.pixel_values is None for f in request.mm_features):
+        if not all(f.has_pixels for f in request.mm_features):
             raise ValueError("every image sent to an encoder instance needs its pixels")
         if any(r.request_id == request.request_id for r in self.waiting):
             raise ValueError(f"request id {request.request_id!r} is already in use")

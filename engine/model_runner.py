@@ -160,9 +160,9 @@ class ModelRunner:
     def encode_features(self, features: list[MultiModalFeature]) -> None:
         """Run the vision encoder on `features` and keep the outputs by mm_hash."""
         for f in features:
-            if f.pixel_values is None:
+            if not f.has_pixels:
                 raise ValueError(f"image {f.mm_hash} has no pixels and no loaded encoder output")
-        pixels = torch.stack([f.pixel_values for f in features]).to(self.device, self.dtype)
+        pixels = torch.stack([f.pixels() for f in features]).to(self.device, self.dtype)
         embeds = self.model.embed_images(pixels)  # [num_images, num_image_tokens, hidden]
         for f, emb in zip(features, embeds):
             if emb.shape[0] != f.length:

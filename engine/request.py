@@ -6,7 +6,7 @@ import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -42,20 +42,37 @@ _FINISH_REASONS = {
 }
 
 
+class PixelSource(Protocol):
+    """Pixels kept elsewhere (e.g. in an object store), fetched only by an instance that runs
+    the encoder on them."""
+
+    def load(self) -> torch.Tensor: ...  # [3, H, W], float32
+
+
 @dataclass
 class MultiModalFeature:
     """One image in a prompt: its placeholder run and (optionally) its pixels.
 
     `offset` is the index of the first placeholder token in the prompt and `length` the number
     of placeholder tokens, which equals the number of encoder embeddings it expands to.
-    `pixel_values` is None on an instance that only ever loads this feature's encoder output
-    from a connector.
+    The pixels are `pixel_values`, or fetched from `pixel_source` on first use; an instance
+    that only loads this feature's encoder output from a connector never fetches them.
     """
 
     mm_hash: str
     offset: int
     length: int
     pixel_values: torch.Tensor | None = None  # [3, H, W], float32
+    pixel_source: PixelSource | None = None
+
+    @property
+    def has_pixels(self) -> bool:
+        return self.pixel_values is not None or self.pixel_source is not None
+
+    def pixels(self) -> torch.Tensor | None:
+        if self.pixel_values is None and self.pixel_source is not None:
+            self.pixel_values = self.pixel_source.load()
+        return self.pixel_values
 
     @property
     def end(self) -> int:

@@ -127,6 +127,25 @@ class Scheduler:
             + len(self._aborted_recving),
             "num_preemptions": self.num_preemptions,
             "num_encoder_cache_refs": self.encoder_cache_manager.num_referenced_entries(),
+            **self._load(),
+        }
+
+    def _load(self) -> dict[str, int]:
+        """What routers balance on: prompt tokens still to prefill, and the KV tokens the
+        unfinished requests hold or will hold (prompt + the most they may generate)."""
+        queued = reserved = num_unfinished = 0
+        for r in self.requests.values():
+            if r.is_finished():
+                continue
+            num_unfinished += 1
+            queued += max(0, r.num_prompt_tokens - r.num_computed_tokens)
+            asked = r.sampling_params.max_tokens
+            room = self.max_model_len - r.num_prompt_tokens
+            reserved += r.num_prompt_tokens + (room if asked is None else min(asked, room))
+        return {
+            "num_unfinished": num_unfinished,
+            "prefill_tokens_queued": queued,
+            "kv_tokens_reserved": reserved,
         }
 
     # ---- schedule ---------------------------------------------------------------------

@@ -13,6 +13,7 @@ import numpy as np
 import ray
 from PIL import Image
 
+from actors.front import pull_object_ids
 from cluster.config import ClusterConfig
 from cluster.launch import Cluster, launch
 from engine import SamplingParams
@@ -111,13 +112,17 @@ def live_object_ids() -> set[str]:
 
 
 def assert_clean(cluster: Cluster, baseline: set[str], timeout_s: float = 20.0) -> None:
-    """Every instance idle (all blocks free, nothing queued or held), the router tracks no
-    request, and no object created since `baseline` is still alive in the object store."""
+    """Every instance idle (all blocks free, nothing queued or held), the gateway side tracks
+    no request, and no object created since `baseline` is still alive in the object store."""
     cluster.wait_idle(timeout_s)
-    assert wait_until(lambda: ray.get(cluster.router.num_in_flight.remote()) == 0, timeout_s)
-    assert wait_until(lambda: not (live_object_ids() - baseline), timeout_s), _describe(
-        live_object_ids() - baseline
-    )
+    assert wait_until(lambda: cluster.front.num_in_flight() == 0, timeout_s)
+
+    def leaked() -> set[str]:  # a pull that was in flight during the snapshot is no leak
+        since = time.monotonic()
+        live = live_object_ids()
+        return live - baseline - pull_object_ids(since)
+
+    assert wait_until(lambda: not leaked(), timeout_s), _describe(leaked())
 
 
 def _describe(object_ids: set[str]) -> str:

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import ray
 
+from actors.messages import Route
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,
@@ -161,15 +162,16 @@ def test_lease_frees_blocks_when_decode_never_acks(ray_session, model_dir, refer
 
 
 def test_a_client_that_stops_reading_has_its_request_aborted(ray_session, model_dir):
-    """A client that dies without aborting: the router aborts its request once nobody has
-    read the stream for `stream_idle_timeout_s`, and every instance ends idle."""
+    """A gateway replica that dies without aborting: the instances abort its requests once
+    it has not pulled for `stream_idle_timeout_s`, and every instance ends idle."""
     router = {"stream_idle_timeout_s": 1.0}
     with start(model_dir, prefill=1, decode=1, router=router) as cluster:
         baseline = live_object_ids()
         request = cluster.make_request("nobody reads this", LONG)
-        first = ray.get(cluster.router.generate.remote(request))  # then the client "dies"
-        assert first[0].request_id == request.request_id and not first[-1].finished
         decode = handle(cluster, "decode")
+        decode_id = next(i for i, (role, _) in cluster.instances.items() if role == "decode")
+        route = Route("a-replica-that-died", None, decode_id)  # it submits, then never pulls
+        handle(cluster, "prefill").submit.remote(request, route)
         assert wait_until(lambda: instance_stats(cluster, "decode")["num_running"] == 1)
         ray.get(decode.pause.remote())  # from here only an abort can end the request
         assert wait_until(lambda: instance_stats(cluster, "decode")["num_running"] == 0)

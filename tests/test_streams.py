@@ -1,4 +1,5 @@
-"""OutputStreams (the pull protocol between client, router and instances), without Ray."""
+"""Outboxes (the pull protocol between gateway replicas and instances) and the KV event log
+that replicas read, without Ray."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import asyncio
 
 import pytest
 
-from actors.streams import OutputStreams, reap_orphans
+from actors.kv_events import KVEventLog
+from actors.streams import Outboxes, reap_orphans
 from engine.outputs import EngineCoreOutput
 
 
@@ -14,77 +16,86 @@ def out(rid: str, token: int, finish: str | None = None) -> EngineCoreOutput:
     return EngineCoreOutput(rid, [token], finish_reason=finish)
 
 
-def test_a_pull_takes_everything_queued_and_the_last_one_closes_the_stream():
+def test_one_pull_takes_every_output_of_the_consumers_requests_and_only_theirs():
     async def scenario():
-        streams = OutputStreams(idle_timeout_s=60)
-        streams.open("a")
-        streams.put(out("a", 1))
-        streams.put(out("a", 2))
-        first = await streams.next_batch("a")
-        streams.put(out("a", 3, "length"))
-        last = await streams.next_batch("a")
-        return first, last, "a" in streams
+        boxes = Outboxes(idle_timeout_s=60)
+        boxes.open("a", "replica-1")
+        boxes.open("b", "replica-1")
+        boxes.open("c", "replica-2")
+        boxes.put(out("a", 1))
+        boxes.put(out("c", 7))
+        boxes.put(out("b", 2, "length"))
+        first = await boxes.pull("replica-1", wait_s=1)
+        return first, await boxes.pull("replica-2", wait_s=1), len(boxes)
 
-    first, last, still_open = asyncio.run(scenario())
-    assert [o.new_token_ids for o in first] == [[1], [2]]
-    assert last[-1].finish_reason == "length"
-    assert not still_open
+    first, second, num_open = asyncio.run(scenario())
+    assert [(o.request_id, o.new_token_ids) for o in first] == [("a", [1]), ("b", [2])]
+    assert [o.request_id for o in second] == ["c"]
+    assert num_open == 2  # "b" finished; "a" and "c" still open
 
 
-def test_a_pull_waits_for_output_and_close_wakes_it_with_an_abort():
+def test_a_pull_waits_for_output_and_returns_empty_after_its_wait():
     async def scenario():
-        streams = OutputStreams(idle_timeout_s=60)
-        streams.open("a")
-        pull = asyncio.ensure_future(streams.next_batch("a"))
-        await asyncio.sleep(0.01)
+        boxes = Outboxes(idle_timeout_s=60)
+        boxes.open("a", "r")
+        empty = await boxes.pull("r", wait_s=0.01)
+        pull = asyncio.ensure_future(boxes.pull("r", wait_s=30))
+        await asyncio.sleep(0)
         assert not pull.done()
-        streams.close("a")
-        streams.put(out("a", 1))  # after the close: dropped
-        return await pull, len(streams)
+        boxes.put(out("a", 1))
+        return empty, await pull
 
-    batch, num_open = asyncio.run(scenario())
-    assert [o.finish_reason for o in batch] == ["abort"]
-    assert num_open == 0
+    empty, batch = asyncio.run(scenario())
+    assert empty == []
+    assert [o.new_token_ids for o in batch] == [[1]]
 
 
-def test_unknown_streams_read_as_aborted_and_ids_are_unique():
-    async def scenario():
-        streams = OutputStreams(idle_timeout_s=60)
-        streams.open("a")
-        with pytest.raises(ValueError, match="already in use"):
-            streams.open("a")
-        return await streams.next_batch("nope")
-
-    assert asyncio.run(scenario())[0].finish_reason == "abort"
+def test_closed_requests_queue_nothing_and_ids_are_unique():
+    boxes = Outboxes(idle_timeout_s=60)
+    boxes.open("a", "r")
+    with pytest.raises(ValueError, match="already in use"):
+        boxes.open("a", "other")
+    boxes.close("a")
+    boxes.put(out("a", 1))  # after the close: dropped
+    assert len(boxes) == 0
+    assert asyncio.run(boxes.pull("r", wait_s=0.01)) == []
 
 
 def test_an_abort_that_overtakes_its_start_is_remembered_once():
-    streams = OutputStreams(idle_timeout_s=60)
-    streams.close("early")
-    assert streams.aborted_before_start("early")
-    assert not streams.aborted_before_start("early")
-    assert not streams.aborted_before_start("other")
+    boxes = Outboxes(idle_timeout_s=60)
+    boxes.close("early")
+    assert boxes.aborted_before_start("early")
+    assert not boxes.aborted_before_start("early")
+    assert not boxes.aborted_before_start("other")
 
 
-def test_streams_nobody_pulls_are_reaped_but_a_waiting_pull_keeps_one_alive():
+def test_requests_of_a_consumer_that_stopped_pulling_are_reaped():
     async def scenario():
-        streams = OutputStreams(idle_timeout_s=0.05)
-        streams.open("orphan")
-        streams.open("read")
-        pull = asyncio.ensure_future(streams.next_batch("read"))
+        boxes = Outboxes(idle_timeout_s=0.05)
+        boxes.open("orphan", "dead-replica")
+        boxes.open("read", "live-replica")
+        pull = asyncio.ensure_future(boxes.pull("live-replica", wait_s=30))
         aborted: list[str] = []
-
-        def abort(ids: list[str]) -> None:
-            aborted.extend(ids)
-            for rid in ids:
-                streams.close(rid)
-
-        reaper = asyncio.ensure_future(reap_orphans(streams, abort))
+        reaper = asyncio.ensure_future(reap_orphans(boxes, aborted.extend))
         await asyncio.sleep(0.3)
         reaper.cancel()
         pull.cancel()
-        return aborted, "read" in streams
+        return aborted, "read" in boxes, "orphan" in boxes
 
-    aborted, read_open = asyncio.run(scenario())
+    aborted, read_open, orphan_open = asyncio.run(scenario())
     assert aborted == ["orphan"]
-    assert read_open
+    assert read_open and not orphan_open
+
+
+def test_kv_events_after_a_cursor_net_out_and_a_stale_reader_gets_the_whole_set():
+    log = KVEventLog(capacity=4)
+    first = log.since(None, -1)  # a new reader: the whole (empty) set
+    assert first.reset and first.stored == []
+    log.extend([(True, 1), (True, 2), (False, 1)])
+    delta = log.since(first.epoch, first.cursor)
+    assert not delta.reset and delta.stored == [2] and delta.removed == [1]
+    log.extend([(True, 3), (True, 4), (True, 5)])  # the log keeps 4: cursor 3 is gone
+    assert log.since(delta.epoch, delta.cursor).stored == [3, 4, 5]
+    stale = log.since(first.epoch, first.cursor)
+    assert stale.reset and sorted(stale.stored) == [2, 3, 4, 5]
+    assert log.since("an-earlier-incarnation", delta.cursor).reset

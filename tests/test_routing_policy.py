@@ -1,10 +1,10 @@
-"""RouterPolicy: which E, P and D (or mixed) instance serves a request. No Ray."""
+"""RouterPolicy (routing/policy.py): which E, P and D (or mixed) instance serves a request. No Ray."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster.router import Plan, RouterConfig, RouterPolicy, block_hashes
+from routing.policy import Plan, RouterConfig, RouterPolicy, block_hashes
 
 BLOCK = 4  # tokens per block in these tests: prompts stay short
 

@@ -1,16 +1,20 @@
 """Routing policy: which E, P and D (or mixed) instance serves a request. No Ray here.
 
-Loads are tracked from the router's own bookkeeping (what it sent and what finished), so a
-decision costs no remote call. P is chosen by queued prefill tokens, preferring the instance
-that already holds the longest prefix of the prompt in its cache; D by KV tokens held.
-Short prompts, or prompts mostly cached on a D already, are prefilled on D itself.
+A decision costs no remote call. Each instance's load is the last one it published (for
+every gateway replica's requests) plus what this replica sent or saw finish since then
+(its own optimistic accounting). P is chosen by queued prefill tokens, preferring the
+instance that caches the longest prefix of the prompt (known from the prefix-cache events
+instances publish, and from what this replica sent them); D by KV tokens held. Short
+prompts, or prompts mostly cached on a D already, are prefilled on D itself.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import NONE_HASH, hash_block_tokens
 
 ROLE_ENCODER, ROLE_PREFILL, ROLE_DECODE, ROLE_MIXED = "encoder", "prefill", "decode", "mixed"
 
@@ -28,8 +32,18 @@ class RouterConfig:
     # Prefill on D when it already caches at least this fraction of the prompt (1.0: never).
     decode_prefix_fraction: float = 0.8
     max_tracked_blocks: int = 65536  # per instance, for prefix-aware routing
-    # A request whose output stream nobody read for this long lost its client: abort it.
-    stream_idle_timeout_s: float = 60.0
+
+
+@dataclass
+class Load:
+    """The figures a routing decision balances on."""
+
+    num_active: int = 0
+    queued_prefill_tokens: int = 0
+    kv_tokens: int = 0  # tokens whose KV the instance holds or will hold for running requests
+
+
+LOAD_FIELDS = ("num_active", "queued_prefill_tokens", "kv_tokens")
 
 
 @dataclass
@@ -37,10 +51,30 @@ class InstanceLoad:
     instance_id: str
     role: str
     healthy: bool = True
-    num_active: int = 0
-    queued_prefill_tokens: int = 0
-    kv_tokens: int = 0  # tokens whose KV the instance holds or will hold for running requests
+    own: Load = field(default_factory=Load)  # this replica's requests in flight there
+    published: Load | None = None  # the instance's last report (every replica's requests)
+    own_at_publish: Load = field(default_factory=Load)  # `own` when that report came
     cached_blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def load(self, name: str) -> int:
+        """Published load plus what this replica changed since; its own alone before any
+        report."""
+        own = getattr(self.own, name)
+        if self.published is None:
+            return own
+        return max(0, getattr(self.published, name) + own - getattr(self.own_at_publish, name))
+
+    @property
+    def num_active(self) -> int:
+        return self.load("num_active")
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return self.load("queued_prefill_tokens")
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.load("kv_tokens")
 
 
 @dataclass(frozen=True)
@@ -59,13 +93,14 @@ class Plan:
 def block_hashes(
     token_ids: list[int], block_size: int, images: Sequence[tuple[int, int, str]] = ()
 ) -> list[int]:
-    """Chained hashes of the prompt's full blocks (a routing hint, not for KV reuse). A block
-    overlapping an image's placeholders, given as (offset, end, mm_hash), includes its hash."""
-    hashes, parent = [], 0
+    """Chained hashes of the prompt's full blocks, equal to the engine's prefix-cache hashes
+    (so instances' cache events name them). A block overlapping an image's placeholders,
+    given as (offset, end, mm_hash), includes its hash."""
+    hashes, parent = [], NONE_HASH
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
         extra = tuple(h for lo, hi, h in images if lo < end and start < hi)
-        parent = hash((parent, extra, *token_ids[start:end]))
+        parent = hash_block_tokens(parent, token_ids[start:end], extra)
         hashes.append(parent)
     return hashes
 
@@ -75,7 +110,14 @@ class RouterPolicy:
         self.config = config or RouterConfig()
         self.instances = {iid: InstanceLoad(iid, role) for iid, role in roles.items()}
 
-    # ---- health ----------------------------------------------------------------------
+    # ---- membership and health ---------------------------------------------------------
+    def add_instance(self, instance_id: str, role: str) -> None:
+        if instance_id not in self.instances:
+            self.instances[instance_id] = InstanceLoad(instance_id, role)
+
+    def remove_instance(self, instance_id: str) -> None:
+        self.instances.pop(instance_id, None)
+
     def mark_dead(self, instance_id: str) -> None:
         load = self.instances[instance_id]
         load.healthy = False
@@ -83,6 +125,28 @@ class RouterPolicy:
 
     def mark_alive(self, instance_id: str) -> None:
         self.instances[instance_id].healthy = True
+
+    def apply_report(self, instance_id: str, published: Load) -> None:
+        """The instance's own count of its load, as of now."""
+        load = self.instances.get(instance_id)
+        if load is not None:
+            load.published = published
+            load.own_at_publish = Load(**{f: getattr(load.own, f) for f in LOAD_FIELDS})
+
+    def apply_kv_events(
+        self, instance_id: str, stored: Iterable[int], removed: Iterable[int], reset: bool
+    ) -> None:
+        """Prefix-cache changes the instance published; `reset`: `stored` is all it caches."""
+        load = self.instances.get(instance_id)
+        if load is None:
+            return
+        if reset:
+            load.cached_blocks.clear()
+        for h in removed:
+            load.cached_blocks.pop(h, None)
+        for h in stored:
+            load.cached_blocks[h] = None
+        self._bound(load)
 
     def _live(self, role: str) -> list[InstanceLoad]:
         return [i for i in self.instances.values() if i.role == role and i.healthy]
@@ -126,17 +190,15 @@ class RouterPolicy:
         if not self.config.prefix_aware or not hashes:
             return least
         # Longest cached prefix; among equal prefixes, the least loaded.
-        best = max(
-            candidates, key=lambda i: (self._num_cached_blocks(i, hashes), -getattr(i, load))
-        )
-        slack = getattr(best, load) - getattr(least, load)
+        best = max(candidates, key=lambda i: (self._num_cached_blocks(i, hashes), -i.load(load)))
+        slack = best.load(load) - least.load(load)
         if self._num_cached_blocks(best, hashes) > 0 and slack <= self.config.prefix_slack_tokens:
             return best
         return least
 
     @staticmethod
     def _least(candidates: list[InstanceLoad], attr: str) -> InstanceLoad | None:
-        return min(candidates, key=lambda i: (getattr(i, attr), i.num_active), default=None)
+        return min(candidates, key=lambda i: (i.load(attr), i.num_active), default=None)
 
     @staticmethod
     def _num_cached_blocks(load: InstanceLoad, hashes: list[int]) -> int:
@@ -150,33 +212,38 @@ class RouterPolicy:
         self, instance_id: str, prompt_token_ids: list[int], images: Sequence = ()
     ) -> None:
         load = self.instances[instance_id]
-        load.num_active += 1
-        load.queued_prefill_tokens += len(prompt_token_ids)
+        load.own.num_active += 1
+        load.own.queued_prefill_tokens += len(prompt_token_ids)
         self._remember(load, prompt_token_ids, images)
 
     def on_encode_start(self, instance_id: str) -> None:
-        self.instances[instance_id].num_active += 1
+        self.instances[instance_id].own.num_active += 1
 
     def on_encode_end(self, instance_id: str) -> None:
-        self.instances[instance_id].num_active -= 1
+        self._own(instance_id).num_active -= 1
 
     def on_prefill_end(self, instance_id: str, num_prompt_tokens: int) -> None:
-        load = self.instances[instance_id]
-        load.num_active -= 1
-        load.queued_prefill_tokens -= num_prompt_tokens
+        own = self._own(instance_id)
+        own.num_active -= 1
+        own.queued_prefill_tokens -= num_prompt_tokens
 
     def on_decode_start(
         self, instance_id: str, prompt_token_ids: list[int], max_tokens: int, images: Sequence = ()
     ) -> None:
         load = self.instances[instance_id]
-        load.num_active += 1
-        load.kv_tokens += len(prompt_token_ids) + max_tokens
+        load.own.num_active += 1
+        load.own.kv_tokens += len(prompt_token_ids) + max_tokens
         self._remember(load, prompt_token_ids, images)
 
     def on_decode_end(self, instance_id: str, num_tokens: int) -> None:
-        load = self.instances[instance_id]
-        load.num_active -= 1
-        load.kv_tokens -= num_tokens
+        own = self._own(instance_id)
+        own.num_active -= 1
+        own.kv_tokens -= num_tokens
+
+    def _own(self, instance_id: str) -> Load:
+        """This replica's accounting of an instance; a removed one's is dropped with it."""
+        load = self.instances.get(instance_id)
+        return load.own if load is not None else Load()
 
     def _remember(self, load: InstanceLoad, prompt: list[int], images: Sequence) -> None:
         # Leading blocks are touched last so they are evicted last: a prefix match needs
@@ -184,5 +251,8 @@ class RouterPolicy:
         for h in reversed(block_hashes(prompt, self.config.block_size, images)):
             load.cached_blocks[h] = None
             load.cached_blocks.move_to_end(h)
+        self._bound(load)
+
+    def _bound(self, load: InstanceLoad) -> None:
         while len(load.cached_blocks) > self.config.max_tracked_blocks:
             load.cached_blocks.popitem(last=False)

@@ -1,0 +1,423 @@
+"""Front: one gateway replica's client of the instance pool (control and data plane).
+
+Each replica plans its own requests with a `RouterPolicy` (no call to any central actor),
+submits them straight to the chosen instances, and reads its tokens straight from the
+instance that generates them: one pull loop per instance carries the outputs of all of
+this replica's requests there, one call per step, with the instance's load and its
+prefix-cache events. P hands a request to its D itself (actors/instance.py), so the first
+token comes from P and the rest from D, through no other process.
+
+Faults: an instance that dies (or restarts) before anything of a request reached the client
+is planned around, once; later, the request ends with finish_reason "error". Every instance
+holding state for a request is told when it is aborted or fails. The Front runs its Ray
+calls on an event loop of its own thread, so callers on any event loop (a gateway's, or a
+fresh `asyncio.run` per call) can stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+
+from actors.messages import PullReply, Route
+from actors.pixels import by_reference
+from engine.outputs import EngineCoreOutput
+from engine.request import Request
+from routing.handoff import max_new_tokens
+from routing.policy import Load, Plan, RouterConfig, RouterPolicy
+
+logger = logging.getLogger(__name__)
+
+MAX_RETRIES = 1  # plans of a request after its instance died before it yielded anything
+PULL_TIMEOUT_S = 5.0  # a pull unanswered this long marks its instance unhealthy
+RETRY_PULL_S = 0.5  # pause between pulls of an instance that failed
+MEMBERS_POLL_S = 1.0  # how often the pool's membership is re-read
+
+Deliver = Callable[[list[EngineCoreOutput]], None]
+_FRONTS: weakref.WeakSet[Front] = weakref.WeakSet()
+
+
+@dataclass
+class _Flight:
+    """One request this replica serves, as its outputs come in."""
+
+    request: Request  # this attempt's: its id is the one instances know (see `_submit`)
+    deliver: Deliver  # thread-safe: hands a batch to the caller's event loop
+    client_id: str  # the request id the caller knows
+    plan: Plan | None = None
+    sources: set[str] = field(default_factory=set)  # instances whose outputs count now
+    # Where this replica's load accounting counts the request (see `_release`).
+    encode_on: str | None = None
+    prefill_on: str | None = None  # set while P has not produced the first token
+    decode_on: str | None = None
+    early: list[EngineCoreOutput] = field(default_factory=list)  # D's, before P's token
+    yielded: bool = False  # something reached the client: no more re-planning
+    attempts: int = 0
+
+
+class Front:
+    """`members`: a callable returning {instance id: role} (polled for joins and leaves)."""
+
+    def __init__(self, members: Callable[[], dict[str, str]], config: RouterConfig) -> None:
+        self.config = config
+        self.replica_id = f"front-{uuid.uuid4().hex[:12]}"
+        self._members = members
+        self.policy = RouterPolicy({}, config)
+        self._handles: dict[str, ActorHandle] = {}
+        self._pullers: dict[str, asyncio.Task] = {}
+        # Object ids of pulls in flight, and of recent ones: a pull is no leaked object.
+        self._pulls_in_flight: set[str] = set()
+        self._recent_pulls: deque[tuple[float, str]] = deque(maxlen=100_000)
+        self._flights: dict[str, _Flight] = {}  # by the id instances know
+        self._wire_ids: dict[str, str] = {}  # the caller's request id -> that id
+        self.num_started = 0  # requests this replica has served (or is serving)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="front", daemon=True)
+        self._thread.start()
+        self._call(self._sync_members).result()
+        self._watcher = asyncio.run_coroutine_threadsafe(self._watch_members(), self._loop)
+        _FRONTS.add(self)
+
+    # ---- client API (any thread, any event loop) ---------------------------------------
+    async def stream(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
+        """Outputs of one request as they arrive; leaving early aborts it everywhere."""
+        loop = asyncio.get_running_loop()
+        batches: asyncio.Queue[list[EngineCoreOutput]] = asyncio.Queue()
+
+        def deliver(batch: list[EngineCoreOutput]) -> None:
+            loop.call_soon_threadsafe(batches.put_nowait, batch)
+
+        rid = request.request_id
+        self._loop.call_soon_threadsafe(self._start, request, deliver)
+        finished = False
+        try:
+            while not finished:
+                for out in await batches.get():
+                    finished = finished or out.finished
+                    yield out
+        finally:
+            if not finished:
+                self._loop.call_soon_threadsafe(self._abort, rid)
+
+    def abort(self, request_id: str) -> None:
+        self._loop.call_soon_threadsafe(self._abort, request_id)
+
+    def handles(self) -> dict[str, tuple[str, ActorHandle]]:
+        """The pool as this replica sees it: instance id -> (role, handle)."""
+        return {iid: (self.policy.instances[iid].role, h) for iid, h in self._handles.items()}
+
+    def cluster_stats(self, timeout_s: float = 5.0) -> Future[list[dict[str, Any]]]:
+        """Every instance's stats; an instance that does not answer in time is unhealthy."""
+        return self._call(self._stats(timeout_s))
+
+    def num_in_flight(self) -> int:
+        return len(self._wire_ids)
+
+    def pull_object_ids(self, since: float) -> set[str]:
+        """Object ids of pulls in flight or started after `since` (time.monotonic())."""
+        recent = {i for t, i in list(self._recent_pulls) if t >= since}
+        return set(self._pulls_in_flight) | recent
+
+    def close(self) -> None:
+        self._call(self._stop()).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def _call(self, coro_or_fn: Any) -> Any:
+        if asyncio.iscoroutine(coro_or_fn):
+            return asyncio.run_coroutine_threadsafe(coro_or_fn, self._loop)
+        return asyncio.run_coroutine_threadsafe(_as_coro(coro_or_fn), self._loop)
+
+    # ---- planning (the Front's thread from here on) ------------------------------------
+    def _start(self, request: Request, deliver: Deliver) -> None:
+        rid = request.request_id
+        if rid in self._wire_ids:
+            deliver([_error(rid, f"request id {rid!r} is already in use")])
+            return
+        if request.mm_features:  # the caller's request keeps its pixels; ours refer to them
+            request = copy.copy(request)
+            request.mm_features = by_reference(request.mm_features)  # one put per image
+        flight = self._flights[rid] = _Flight(request, deliver, rid)
+        self._wire_ids[rid] = rid
+        self.num_started += 1
+        self._submit(flight)
+
+    def _submit(self, flight: _Flight) -> None:
+        """Plan the request and send it to its instances. Another attempt goes under a new
+        id: an instance that never saw the first one may still hold its abort."""
+        flight.attempts += 1
+        if flight.attempts > 1:
+            request = copy.copy(flight.request)
+            request.request_id = f"{flight.client_id}~{flight.attempts}"
+            del self._flights[flight.request.request_id]
+            flight.request = request
+            self._flights[request.request_id] = flight
+            self._wire_ids[flight.client_id] = request.request_id
+        request = flight.request
+        try:
+            plan = self.policy.plan(request.prompt_token_ids, _images(request))
+        except RuntimeError as exc:  # no live instance
+            self._finish(flight, [_error(request.request_id, str(exc))])
+            return
+        flight.plan, flight.early = plan, []
+        ec_handle = None
+        if plan.encoder_id is not None:
+            flight.encode_on = plan.encoder_id
+            self.policy.on_encode_start(plan.encoder_id)
+            ec_handle = [self._handles[plan.encoder_id].encode.remote(request)]
+        decode_id = plan.decode_id
+        if plan.disaggregated and max_new_tokens(request, self.config.max_model_len) > 1:
+            flight.prefill_on, flight.sources = plan.prefill_id, {plan.prefill_id, decode_id}
+            self.policy.on_prefill_start(
+                plan.prefill_id, request.prompt_token_ids, _images(request)
+            )
+            route = Route(self.replica_id, ec_handle, decode_id)
+            self._handles[plan.prefill_id].submit.remote(request, route)
+            return
+        target = plan.prefill_id or decode_id  # a one-token request ends on P
+        flight.sources = {target}
+        self._decode_started(flight, target)
+        self._handles[target].submit.remote(request, Route(self.replica_id, ec_handle))
+
+    def _decode_started(self, flight: _Flight, instance_id: str) -> None:
+        request = flight.request
+        flight.decode_on = instance_id
+        self.policy.on_decode_start(
+            instance_id,
+            request.prompt_token_ids,
+            max_new_tokens(request, self.config.max_model_len),
+            _images(request),
+        )
+
+    def _prefill_ended(self, flight: _Flight) -> None:
+        """P is done with the request (and so is E: P used or gave up its outputs)."""
+        if flight.prefill_on is not None:
+            self.policy.on_prefill_end(flight.prefill_on, flight.request.num_prompt_tokens)
+            flight.prefill_on = None
+        if flight.encode_on is not None:
+            self.policy.on_encode_end(flight.encode_on)
+            flight.encode_on = None
+
+    def _release(self, flight: _Flight) -> None:
+        """Undo this attempt's accounting: its outputs are over, by end or failure."""
+        self._prefill_ended(flight)
+        if flight.decode_on is not None:
+            request = flight.request
+            max_tokens = max_new_tokens(request, self.config.max_model_len)
+            self.policy.on_decode_end(flight.decode_on, request.num_prompt_tokens + max_tokens)
+            flight.decode_on = None
+        flight.sources = set()
+
+    def _finish(self, flight: _Flight, batch: list[EngineCoreOutput]) -> None:
+        self._flights.pop(flight.request.request_id, None)
+        self._wire_ids.pop(flight.client_id, None)
+        self._release(flight)
+        self._deliver(flight, batch)
+
+    @staticmethod
+    def _deliver(flight: _Flight, batch: list[EngineCoreOutput]) -> None:
+        if flight.request.request_id != flight.client_id:  # a later attempt's outputs
+            batch = [dataclasses.replace(o, request_id=flight.client_id) for o in batch]
+        flight.deliver(batch)
+
+    def _abort(self, client_id: str) -> None:
+        flight = self._flights.pop(self._wire_ids.pop(client_id, ""), None)
+        if flight is not None:
+            self._release(flight)
+            self._abort_on(flight.plan, flight.request.request_id)
+
+    def _abort_on(self, plan: Plan | None, request_id: str) -> None:
+        """Tell every instance of the plan: whichever holds the request's state drops it."""
+        if plan is None:
+            return
+        for iid in {plan.encoder_id, plan.prefill_id, plan.decode_id} - {None}:
+            handle = self._handles.get(iid)
+            if handle is not None:
+                handle.abort.remote([request_id])
+
+    # ---- data plane --------------------------------------------------------------------
+    def _dispatch(self, instance_id: str, outputs: list[EngineCoreOutput]) -> None:
+        batches: dict[str, list[EngineCoreOutput]] = {}
+        for out in outputs:
+            flight = self._flights.get(out.request_id)
+            if flight is None or instance_id not in flight.sources:
+                continue  # aborted, or from an attempt given up
+            batch = self._on_output(flight, instance_id, out)
+            if batch:
+                batches.setdefault(out.request_id, []).extend(batch)
+        for rid, batch in batches.items():
+            flight = self._flights.get(rid)
+            if batch[-1].finished:
+                self._finish(flight, batch)
+            else:
+                self._deliver(flight, batch)
+
+    def _on_output(
+        self, flight: _Flight, instance_id: str, out: EngineCoreOutput
+    ) -> list[EngineCoreOutput]:
+        """What of `out` goes to the client now. P's only output is its first token, handed
+        off (not finished) or final (EOS, error, a one-token request)."""
+        plan = flight.plan
+        prefilling = flight.prefill_on is not None
+        if prefilling and instance_id == plan.decode_id:
+            flight.early.append(out)  # D outran P's token through the other pull loop
+            return []
+        if prefilling:  # from P
+            self._prefill_ended(flight)
+            if out.finished:
+                flight.sources = set()
+                return [out]
+            flight.sources = {plan.decode_id}
+            self._decode_started(flight, plan.decode_id)
+            batch, flight.early = [out, *flight.early], []
+            flight.yielded = True
+            return batch
+        flight.yielded = flight.yielded or bool(out.new_token_ids)
+        return [out]
+
+    def _instance_lost(self, instance_id: str, reason: str) -> None:
+        """The instance died or restarted: its requests are re-planned (nothing reached
+        the client yet) or fail; the other holders drop their state."""
+        self.policy.mark_dead(instance_id)
+        for flight in [f for f in self._flights.values() if instance_id in f.sources]:
+            rid = flight.request.request_id
+            self._release(flight)
+            self._abort_on(flight.plan, rid)
+            if not flight.yielded and flight.attempts <= MAX_RETRIES:
+                logger.warning(
+                    "request %r: instance %s %s; planning it again", rid, instance_id, reason
+                )
+                self._submit(flight)
+            else:
+                message = f"instance {instance_id} {reason} serving the request"
+                self._finish(flight, [_error(rid, message)])
+
+    async def _pull_loop(self, instance_id: str) -> None:
+        """Read one instance for as long as it is a member."""
+        handle = self._handles[instance_id]
+        epoch: str | None = None
+        cursor = -1
+        while True:
+            ref = handle.pull.remote(self.replica_id, epoch, cursor)
+            ref_id = ref.hex()
+            self._pulls_in_flight.add(ref_id)
+            self._recent_pulls.append((time.monotonic(), ref_id))
+            try:
+                reply: PullReply = await asyncio.wait_for(ref, PULL_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning("instance %s does not answer; routing around it", instance_id)
+                self.policy.mark_dead(instance_id)
+                continue
+            except ray.exceptions.RayActorError:
+                if self.policy.instances[instance_id].healthy or epoch is not None:
+                    self._instance_lost(instance_id, "died")
+                epoch, cursor = None, -1
+                await asyncio.sleep(RETRY_PULL_S)
+                continue
+            finally:
+                self._pulls_in_flight.discard(ref_id)
+            events = reply.events
+            if epoch is not None and events.epoch != epoch:
+                self._instance_lost(instance_id, "restarted")
+            epoch, cursor = events.epoch, events.cursor
+            self._apply(instance_id, reply)
+
+    def _apply(self, instance_id: str, reply: PullReply) -> None:
+        policy = self.policy
+        if reply.accepting:
+            policy.mark_alive(instance_id)
+        else:
+            policy.mark_dead(instance_id)
+        load = reply.load
+        policy.apply_report(
+            instance_id, Load(load.num_active, load.queued_prefill_tokens, load.kv_tokens)
+        )
+        events = reply.events
+        policy.apply_kv_events(instance_id, events.stored, events.removed, events.reset)
+        if reply.outputs:
+            self._dispatch(instance_id, reply.outputs)
+
+    # ---- membership --------------------------------------------------------------------
+    async def _watch_members(self) -> None:
+        while True:
+            await asyncio.sleep(MEMBERS_POLL_S)
+            try:
+                await self._sync_members_async()
+            except Exception:  # noqa: BLE001 - a failed read keeps the last membership
+                logger.exception("reading the instance pool failed")
+
+    async def _sync_members_async(self) -> None:
+        members = await asyncio.get_running_loop().run_in_executor(None, self._members)
+        self._apply_members(members)
+
+    def _sync_members(self) -> None:
+        self._apply_members(self._members())
+
+    def _apply_members(self, members: dict[str, str]) -> None:
+        for iid, role in members.items():
+            if iid not in self._handles:
+                self._handles[iid] = ray.get_actor(iid)
+                self.policy.add_instance(iid, role)
+                self._pullers[iid] = self._loop.create_task(self._pull_loop(iid))
+        for iid in set(self._handles) - set(members):
+            self._pullers.pop(iid).cancel()
+            self._instance_lost(iid, "left the pool")
+            self.policy.remove_instance(iid)
+            del self._handles[iid]
+
+    async def _stats(self, timeout_s: float) -> list[dict[str, Any]]:
+        ids = list(self._handles)
+        results = await asyncio.gather(
+            *(_answer(self._handles[i].stats.remote(), timeout_s) for i in ids),
+            return_exceptions=True,
+        )
+        stats = []
+        for iid, result in zip(ids, results):
+            load = self.policy.instances[iid]
+            ok = not isinstance(result, BaseException)
+            stats.append({**(result if ok else {"id": iid, "role": load.role}),
+                          "healthy": load.healthy and ok})  # fmt: skip
+        return stats
+
+    async def _stop(self) -> None:
+        for client_id in list(self._wire_ids):
+            self._abort(client_id)
+        tasks = [*self._pullers.values(), asyncio.wrap_future(self._watcher)]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _as_coro(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+async def _answer(ref: Any, timeout_s: float) -> Any:
+    return await asyncio.wait_for(ref, timeout_s)
+
+
+def _images(request: Request) -> list[tuple[int, int, str]]:
+    return [(f.offset, f.end, f.mm_hash) for f in request.mm_features]
+
+
+def _error(request_id: str, message: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id, [], finish_reason="error", error=message)
+
+
+def pull_object_ids(since: float) -> set[str]:
+    """`Front.pull_object_ids` of every Front of this process: objects that are no leak."""
+    return {i for front in list(_FRONTS) for i in front.pull_object_ids(since)}

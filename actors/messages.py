@@ -1,0 +1,52 @@
+"""Typed messages between gateway replicas and instances (the data and control plane).
+
+A gateway replica submits a request to an instance with a `Route` (who reads its outputs,
+where its encoder outputs come from, which D takes over after prefill) and reads every one
+of its requests on that instance with one `pull` per step, answered by a `PullReply`
+carrying the outputs, the instance's load and its prefix-cache changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import EngineCoreOutput
+
+
+@dataclass(frozen=True)
+class Route:
+    consumer_id: str  # the gateway replica that pulls the request's outputs
+    ec_handle: list[Any] | None = None  # refs of E's encode call, for P (or a colocated D)
+    decode_id: str | None = None  # P: the D that continues the request after its first token
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """An instance's load as it counts it, for every replica's requests."""
+
+    num_active: int  # unfinished requests
+    queued_prefill_tokens: int  # prompt tokens not yet computed
+    kv_tokens: int  # KV tokens the unfinished requests hold or may still need
+    num_blocks_free: int
+    num_blocks_total: int
+
+
+@dataclass(frozen=True)
+class KVEvents:
+    """Prefix-cache changes after the consumer's cursor; `reset`: `stored` is the whole
+    cache (the consumer was new, fell behind the log, or the instance restarted)."""
+
+    epoch: str  # one per actor incarnation: a cursor from another epoch is meaningless
+    cursor: int  # pass back as `events_after` in the next pull
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    reset: bool = False
+
+
+@dataclass(frozen=True)
+class PullReply:
+    outputs: list[EngineCoreOutput]
+    load: LoadReport
+    events: KVEvents
+    accepting: bool  # False while draining or stopping: route nothing new here

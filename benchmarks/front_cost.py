@@ -1,0 +1,234 @@
+"""What the front costs: CPU per streamed token of every process that is not an instance.
+
+Starts `pdcluster serve` (embedded Ray) as a subprocess, streams a closed-loop load through
+its gateway, and reads the CPU time of every process of the serve tree from /proc before
+and after. Processes are grouped by what they run: `instance` (the E/P/D actors), `front`
+(the serving process and every other actor: gateway replicas, a router, the registry),
+`ray` (Ray's own daemons and idle workers). Also the TTFT and the first-to-second token gap
+at concurrency 1 and 16. `--checkout DIR` runs another checkout's serve (e.g. the commit
+before a change) with this same client, so both sides are measured the same way:
+
+    python -m benchmarks.front_cost --checkout /tmp/before --label before --label after
+
+prints one table per side and the ratios after ÷ before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from benchmarks.targets import REPO_ROOT, free_port
+
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "agent",
+               "ray::IDLE", "runtime_env", "default_worker.py")  # fmt: skip
+
+
+@dataclass
+class Side:
+    label: str
+    cpu_ms: dict[str, float]  # group -> CPU ms during the load
+    tokens: int
+    latency: dict[str, float]  # e.g. ttft_p50_ms_c1
+
+    def per_1k(self, group: str) -> float:
+        return self.cpu_ms.get(group, 0.0) * 1000 / max(self.tokens, 1)
+
+
+# ---- /proc ---------------------------------------------------------------------------------
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def _tree(root: int) -> list[int]:
+    tree, todo, seen = _children(), [root], []
+    while todo:
+        pid = todo.pop()
+        seen.append(pid)
+        todo += tree.get(pid, [])
+    return seen
+
+
+def _cpu_s(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _group(pid: int, root: int) -> str:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "gone"
+    if pid == root:
+        return "front"  # the serving process: gateway replica 0
+    if "InstanceActor" in cmdline:
+        return "instance"
+    if cmdline.startswith("ray::"):
+        return "ray" if any(d in cmdline for d in RAY_DAEMONS) else "front"
+    return "ray"
+
+
+def snapshot(root: int) -> dict[int, tuple[str, float]]:
+    out = {}
+    for pid in _tree(root):
+        cpu = _cpu_s(pid)
+        if cpu is not None:
+            out[pid] = (_group(pid, root), cpu)
+    return out
+
+
+def cpu_ms_between(before: dict, after: dict) -> dict[str, float]:
+    groups: dict[str, float] = {}
+    for pid, (group, cpu) in after.items():
+        start = before.get(pid, (group, 0.0))[1]
+        groups[group] = groups.get(group, 0.0) + (cpu - start) * 1000
+    return groups
+
+
+# ---- load ----------------------------------------------------------------------------------
+async def _one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[float]]:
+    """Streamed tokens and the arrival time of each content chunk (from the send)."""
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                arrivals.append(time.perf_counter() - start)
+    return tokens, arrivals
+
+
+async def run_load(
+    url: str, model: str, concurrency: int, requests_each: int, max_tokens: int
+) -> tuple[int, list[list[float]]]:
+    body = {"model": model, "prompt": "Tell me about the sea and the ships on it",
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
+        async def worker() -> list[tuple[int, list[float]]]:
+            return [await _one(client, url, body) for _ in range(requests_each)]
+
+        results = [r for rs in await asyncio.gather(*(worker() for _ in range(concurrency)))
+                   for r in rs]  # fmt: skip
+    return sum(t for t, _ in results), [a for _, a in results]
+
+
+def _latency(arrivals: list[list[float]], concurrency: int) -> dict[str, float]:
+    ttft = [a[0] for a in arrivals if a]
+    gap = [a[1] - a[0] for a in arrivals if len(a) > 1]
+    return {
+        f"ttft_p50_ms_c{concurrency}": statistics.median(ttft) * 1000,
+        f"gap12_p50_ms_c{concurrency}": statistics.median(gap) * 1000,
+    }
+
+
+# ---- one side --------------------------------------------------------------------------------
+def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(checkout), "RAY_AUTH_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", args.config,
+           "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        model = _wait_ready(url, proc, args.ready_timeout_s)
+        asyncio.run(run_load(url, model, 4, 2, 8))  # warm up every path
+        latency = {}
+        for concurrency in (1, 16):
+            _, arrivals = asyncio.run(run_load(url, model, concurrency, 3, 16))
+            latency.update(_latency(arrivals, concurrency))
+        before = snapshot(proc.pid)
+        tokens, _ = asyncio.run(
+            run_load(url, model, args.concurrency, args.requests_each, args.max_tokens)
+        )
+        after = snapshot(proc.pid)
+        return Side(label, cpu_ms_between(before, after), tokens, latency)
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=60)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited with {proc.returncode}")
+        try:
+            return httpx.get(f"{url}/v1/models", timeout=2).json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            time.sleep(0.5)
+    raise TimeoutError("the gateway did not come up")
+
+
+def report(sides: list[Side]) -> str:
+    groups = ("front", "instance", "ray")
+    lines = ["| side | tokens | " + " | ".join(f"{g} ms/1k tok" for g in groups)
+             + " | all ms/1k tok | " + " | ".join(sides[0].latency) + " |"]  # fmt: skip
+    lines.append("|" + "---|" * (3 + len(groups) + len(sides[0].latency)))
+    for s in sides:
+        total = sum(s.per_1k(g) for g in s.cpu_ms if g != "gone")
+        cells = [s.label, str(s.tokens), *(f"{s.per_1k(g):.0f}" for g in groups), f"{total:.0f}",
+                 *(f"{v:.1f}" for v in s.latency.values())]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    if len(sides) == 2:
+        old, new = sides
+        ratio = new.per_1k("front") / max(old.per_1k("front"), 1e-9)
+        total_old = sum(old.per_1k(g) for g in old.cpu_ms if g != "gone")
+        total_new = sum(new.per_1k(g) for g in new.cpu_ms if g != "gone")
+        lines.append(f"\nfront {new.label} ÷ {old.label}: {ratio:.2f}; all processes: "
+                     f"{total_new / max(total_old, 1e-9):.2f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="ray_configs/local-1p1d.yaml")
+    parser.add_argument("--checkout", type=Path, default=None,
+                        help="measure this checkout too, first (e.g. the commit before)")  # fmt: skip
+    parser.add_argument("--label", action="append", default=None,
+                        help="side names, in order (default: other, this)")  # fmt: skip
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests-each", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ready-timeout-s", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    checkouts = ([args.checkout] if args.checkout else []) + [REPO_ROOT]
+    labels = args.label or ["other", "this"][-len(checkouts) :]
+    sides = [measure(c.resolve(), label, args) for c, label in zip(checkouts, labels)]
+    print(report(sides))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Gateway replicas: N processes serving the OpenAI API on one address.
+
+Each replica binds the same host:port with SO_REUSEPORT, so the kernel spreads incoming
+connections over them, and each attaches to the one instance pool with a client of its own
+(it plans its own requests and reads its tokens straight from the instances). The serving
+process is replica 0; the others are Ray actors placed on its node.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from typing import Any
+
+import ray
+import uvicorn
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster.config import ClusterConfig
+
+
+def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening socket on host:port; a port in use is one clear ValueError. With
+    `reuse_port`, other replicas (this user's processes) may listen on it too, and the
+    kernel spreads new connections over all of them."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is in use") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def uvicorn_server(app: Any) -> uvicorn.Server:
+    return uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+
+
+class GatewayReplica:
+    """Wrap with `ray.remote(GatewayReplica)`: one more replica of a running gateway."""
+
+    def __init__(self, config: dict[str, Any], pool: str, host: str, port: int) -> None:
+        from cluster.launch import launch
+        from cluster.serve import gateway_app
+
+        self.cluster = launch(ClusterConfig.model_validate(config), pool=pool)
+        self.server = uvicorn_server(gateway_app(self.cluster))
+        self.sock = listen(host, port, reuse_port=True)
+
+    async def serve(self) -> None:
+        """Serve until the actor is killed."""
+        await self.server.serve(sockets=[self.sock])
+
+    async def started(self) -> bool:
+        return self.server.started
+
+    async def counts(self) -> tuple[int, int]:
+        """(requests started, requests in flight) through this replica."""
+        return self.cluster.front.num_started, self.cluster.front.num_in_flight()
+
+
+def start_replicas(
+    config: ClusterConfig, pool: str, host: str, port: int, count: int
+) -> list[ray.actor.ActorHandle]:
+    """`count` more replicas on this node, serving once this returns."""
+    node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    replicas = [
+        ray.remote(GatewayReplica)
+        .options(num_cpus=0, scheduling_strategy=node, max_concurrency=1000)
+        .remote(config.model_dump(), pool, host, port)
+        for _ in range(count)
+    ]
+    for replica in replicas:
+        replica.serve.remote()
+    return replicas
