@@ -118,7 +118,8 @@ def test_two_replicas_share_one_address_under_load_with_no_leak(ray_session, mod
         baseline = live_object_ids()
         with running(gateway_app(cluster)) as url:
             port = int(url.rsplit(":", 1)[1])
-            (replica,) = start_replicas(cluster.config, cluster.pool, "127.0.0.1", port, 1)
+            replicas = start_replicas(cluster.config, cluster.pool, "127.0.0.1", port, 1)
+            replica = replicas[0]
             try:
                 assert wait_until(lambda: ray.get(replica.started.remote()), 60)
                 outcomes = asyncio.run(_clients(url, 32, 8))
@@ -129,7 +130,8 @@ def test_two_replicas_share_one_address_under_load_with_no_leak(ray_session, mod
                 assert in_flight == 0
             finally:
                 ray.kill(replica, no_restart=True)
-                del replica  # its handle is no object to account for
+                replicas.clear()  # a killed replica's handle is no object to account for
+                replica = None
         assert_clean(cluster, baseline)
 
 
@@ -142,10 +144,11 @@ def test_a_killed_replica_fails_only_its_own_streams(ray_session, model_dir):
         baseline = live_object_ids()
         with running(gateway_app(cluster)) as url:
             port = int(url.rsplit(":", 1)[1])
-            (victim,) = start_replicas(cluster.config, cluster.pool, "127.0.0.1", port, 1)
-            assert wait_until(lambda: ray.get(victim.started.remote()), 60)
+            replicas = start_replicas(cluster.config, cluster.pool, "127.0.0.1", port, 1)
+            assert wait_until(lambda: ray.get(replicas[0].started.remote()), 60)
 
             async def scenario() -> list[str]:
+                victim = replicas.pop()  # the killed replica's handle is no object to account for
                 clients = asyncio.ensure_future(_clients(url, 16, 300))
                 decode = lambda: instance_stats(cluster, "decode")["num_running"]  # noqa: E731
                 while decode() < 4 or ray.get(victim.counts.remote())[1] == 0:
@@ -154,7 +157,6 @@ def test_a_killed_replica_fails_only_its_own_streams(ray_session, model_dir):
                 return await clients
 
             outcomes = asyncio.run(scenario())
-            del victim  # its handle is no object to account for
             ours = cluster.front.num_started
             assert outcomes.count("ok") == ours  # every stream of the survivor finished
             assert 0 < ours < 16 and all(o.startswith(("failed", "bad")) for o in outcomes
