@@ -222,3 +222,70 @@ def test_overrides_alone_need_no_yaml():
     config = ClusterConfig.load(None, {"mixed": {"count": 1}, "engine": {"max_model_len": 64}})
     assert config.topology_name() == "1mixed"
     assert config.engine_settings("mixed").max_model_len == 64
+
+
+# ---- autoscale ---------------------------------------------------------------------------
+
+
+def test_autoscale_is_off_by_default():
+    assert make_config().autoscale is None
+
+
+def test_autoscale_section_takes_defaults_for_unset_keys():
+    config = make_config(autoscale={"prefill": {"max": 4}, "decode": {"min": 1, "max": 8}})
+    autoscale = config.autoscale
+    assert (autoscale.prefill.min, autoscale.prefill.max) == (1, 4)
+    assert autoscale.prefill.target_queued_prefill_tokens == 2048
+    assert autoscale.prefill.target_ttft_p90_ms is None
+    decode = autoscale.decode
+    assert (decode.target_kv_usage, decode.target_running_per_instance) == (0.8, 48)
+    assert (autoscale.interval_s, autoscale.scale_down_fraction) == (10.0, 0.5)
+    assert autoscale.scale_up_cooldown_s < autoscale.scale_down_cooldown_s
+
+
+def test_autoscale_of_one_role_leaves_the_other_fixed():
+    config = make_config(autoscale={"decode": {"max": 2, "target_tpot_p90_ms": 50}})
+    assert config.autoscale.prefill is None
+    assert config.autoscale.decode.target_tpot_p90_ms == 50
+
+
+@pytest.mark.parametrize(
+    ("autoscale", "match"),
+    [
+        ({"prefill": {"min": 3, "max": 2}}, r"min \(3\) must not exceed max \(2\)"),
+        ({"decode": {"max": 65}}, "autoscale.decode.max"),
+        ({"decode": {"min": 0, "max": 2}}, "autoscale.decode.min"),
+        ({"decode": {"max": 2, "target_kv_usage": 1.5}}, "autoscale.decode.target_kv_usage"),
+        ({"prefill": {"max": 2}, "scale_down_fraction": 1.0}, "scale_down_fraction"),
+        ({}, "autoscale needs a prefill or decode section"),
+    ],
+)
+def test_invalid_autoscale_is_rejected(autoscale, match):
+    assert_rejected(match, autoscale=autoscale)
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ({"autoscale": {"prefill": {"max": 2, "target_tokens": 1}}}, "autoscale.prefill.target"),
+        ({"autoscale": {"decode": {"max": 2}, "cooldown": 5}}, "autoscale.cooldown"),
+        ({"autoscale": {"mixed": {"max": 2}}}, "autoscale.mixed"),
+    ],
+)
+def test_unknown_autoscale_key_is_rejected_by_name(fields, key):
+    with pytest.raises(ValidationError) as info:
+        make_config(**fields)
+    assert key in str(info.value) and "Extra inputs are not permitted" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"decode": {"count": 3}, "autoscale": {"decode": {"min": 1, "max": 2}}},
+        {"prefill": {"count": 1}, "autoscale": {"prefill": {"min": 2, "max": 4}}},
+        {"prefill": {"count": 0}, "autoscale": {"prefill": {"max": 4}}},
+    ],
+    ids=["above-max", "below-min", "role-absent"],
+)
+def test_configured_count_outside_autoscale_bounds_is_rejected(fields):
+    assert_rejected(r"count \(\d\) must lie within autoscale\.\w+ \[min", **fields)
