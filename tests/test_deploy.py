@@ -2,7 +2,9 @@
 
 No Ray, no network. Each manifest under deploy/ must validate against KubeRay's CRD schema
 (what `kubectl apply` checks), name code that exists, and pin every role of
-ray_configs/kuberay-1e1p1d.yaml to a worker group that declares the role's resources.
+ray_configs/kuberay-1e1p1d.yaml to a worker group that declares the role's resources. The
+groups autoscale: they start at the config's counts and grow to maxReplicas when instances
+are added at run time.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import copy
 import functools
 import importlib.util
 import json
+import math
 import re
 import shlex
 from pathlib import Path
@@ -37,6 +40,8 @@ MANIFESTS = {
     "rayservice.yaml": "RayService",
     "rayjob.yaml": "RayJob",
 }
+# RayService fields that KubeRay v1 still accepts but ignores.
+DEPRECATED_FIELDS = ("serviceUnhealthySecondThreshold", "deploymentUnhealthySecondThreshold")
 ROLE_RESOURCE = {
     "encoder": "pdcluster_encoder",
     "prefill": "pdcluster_prefill",
@@ -57,6 +62,7 @@ COUNTERS = {
     "pdcluster_kv_transfer_bytes_total",
     "pdcluster_ec_transfer_bytes_total",
     "pdcluster_kv_leases_expired_total",
+    "pdcluster_planner_decisions_total",  # {role, direction}: instances added or drained
 }
 GAUGES = {
     "pdcluster_kv_usage_ratio",
@@ -64,6 +70,8 @@ GAUGES = {
     "pdcluster_num_waiting",
     "pdcluster_num_deferred",
     "pdcluster_num_pending_transfers",
+    "pdcluster_instances",  # {role}: live instances
+    "pdcluster_instances_desired",  # {role}: the planner's target (live count without one)
 }
 GATEWAY_METRICS = HISTOGRAMS | COUNTERS | GAUGES
 
@@ -135,6 +143,17 @@ def quantity(value: Any) -> float:
     """A Kubernetes quantity of CPUs or GPUs ("8", 8, "500m")."""
     text = str(value)
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def role_groups(doc: dict) -> dict[str, dict]:
+    """The worker groups of a manifest's RayCluster spec that run a role, by role."""
+    groups = {g["groupName"]: g for g in cluster_spec(doc)["workerGroupSpecs"]}
+    return {role: groups[role] for role in ROLE_RESOURCE}
+
+
+def instances_per_pod(group: dict, role: str, config: ClusterConfig) -> int:
+    declared = parse_ray_resources(group["rayStartParams"]["resources"])
+    return int(declared[ROLE_RESOURCE[role]] // config.role(role).resources[ROLE_RESOURCE[role]])
 
 
 def containers(group: dict) -> list[dict]:
@@ -244,10 +263,41 @@ def test_worker_groups_pin_the_config_roles(doc: dict, config: ClusterConfig) ->
             assert requests["nvidia.com/gpu"] == limits["nvidia.com/gpu"]
 
 
+def test_worker_groups_autoscale(doc: dict, config: ClusterConfig) -> None:
+    spec = cluster_spec(doc)
+    assert spec["enableInTreeAutoscaling"] is True
+    options = spec["autoscalerOptions"]
+    assert options["idleTimeoutSeconds"] > 0, "freed pods must be removed"
+    assert options["upscalingMode"] in ("Default", "Aggressive", "Conservative")
+    limits = options["resources"]["limits"]
+    assert quantity(limits["cpu"]) > 0 and limits["memory"]
+    for role, group in role_groups(doc).items():
+        # The cluster starts with the config's instances and can grow past them.
+        per_pod = instances_per_pod(group, role, config)
+        assert group["minReplicas"] == math.ceil(config.role(role).count / per_pod), role
+        assert group["replicas"] == group["minReplicas"], role
+        assert group["minReplicas"] < group["maxReplicas"], f"{role} cannot scale"
+
+
+def test_rayservice_upgrades_to_a_new_cluster_without_deprecated_fields() -> None:
+    spec = manifest("rayservice.yaml")["spec"]
+    assert spec["upgradeStrategy"]["type"] == "NewCluster"
+    assert spec["rayClusterDeletionDelaySeconds"] > 0  # open streams drain on the old cluster
+    for name in MANIFESTS:
+        text = (DEPLOY / name).read_text(encoding="utf-8")
+        assert not [f for f in DEPRECATED_FIELDS if f in text], name
+
+
 def test_manifests_agree(config: ClusterConfig) -> None:
     docs = [manifest(name) for name in sorted(MANIFESTS)]
     specs = [cluster_spec(d) for d in docs]
     assert len({s["rayVersion"] for s in specs}) == 1
+    assert all(s["autoscalerOptions"] == specs[0]["autoscalerOptions"] for s in specs)
+    bounds = [
+        {role: (g["minReplicas"], g["maxReplicas"]) for role, g in role_groups(d).items()}
+        for d in docs
+    ]
+    assert all(b == bounds[0] for b in bounds), bounds
     pods = [s["headGroupSpec"] for s in specs] + [g for s in specs for g in s["workerGroupSpecs"]]
     images = {c["image"] for pod in pods for c in containers(pod)}
     assert len(images) == 1, images
@@ -301,6 +351,21 @@ def test_cluster_launcher_node_types_pin_the_roles(config: ClusterConfig) -> Non
         assert resources.get("CPU", 0) >= spec.num_cpus * per_node
 
 
+def test_cluster_launcher_autoscales_like_the_manifests() -> None:
+    launcher = load_yaml(LAUNCHER)
+    node_types = launcher["available_node_types"]
+    spec = cluster_spec(manifest("raycluster.yaml"))
+    for role, group in role_groups(manifest("raycluster.yaml")).items():
+        node_type = node_types[role]
+        assert node_type["min_workers"] < node_type["max_workers"], f"{role} cannot scale"
+        assert node_type["min_workers"] == group["minReplicas"], role
+        assert node_type["max_workers"] == group["maxReplicas"], role
+    # The cluster-wide cap lets every node type reach its own max at once.
+    assert launcher["max_workers"] == sum(t.get("max_workers", 0) for t in node_types.values())
+    idle_s = launcher["idle_timeout_minutes"] * 60
+    assert idle_s == spec["autoscalerOptions"]["idleTimeoutSeconds"]
+
+
 def test_cluster_launcher_matches_rays_schema() -> None:
     spec = importlib.util.find_spec("ray")  # locates the package; imports nothing
     if spec is None or not spec.submodule_search_locations:
@@ -345,3 +410,13 @@ def test_grafana_dashboard_queries_only_gateway_metrics() -> None:
             assert any(f"histogram_quantile({q}," in e and f"{metric}_bucket" in e for e in exprs)
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_grafana_dashboard_shows_instances_against_the_planner() -> None:
+    panels = {p["title"]: p for p in json.loads(DASHBOARD.read_text(encoding="utf-8"))["panels"]}
+    exprs = dashboard_exprs(panels["Instances per role: desired vs actual"])
+    for metric in ("pdcluster_instances", "pdcluster_instances_desired"):
+        assert any(re.search(rf"by \(role\) \({metric}\{{", e) for e in exprs), metric
+    (decisions,) = dashboard_exprs(panels["Planner decisions"])
+    assert "by (role, direction)" in decisions
+    assert "rate(pdcluster_planner_decisions_total{" in decisions
