@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -175,8 +177,17 @@ def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
         after = snapshot(proc.pid)
         return Side(label, cpu_ms_between(before, after), tokens, latency)
     finally:
-        os.killpg(proc.pid, 15)
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C the serve process group (it shuts its cluster down); kill what is left."""
+    os.killpg(proc.pid, signal.SIGINT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> str:
