@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -85,6 +85,8 @@ class Front:
         self._flights: dict[str, _Flight] = {}  # by the id instances know
         self._wire_ids: dict[str, str] = {}  # the caller's request id -> that id
         self.num_started = 0  # requests this replica has served (or is serving)
+        # D instance id -> requests planned onto it that are still on their P
+        self._promised: Counter[str] = Counter()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="front", daemon=True)
         self._thread.start()
@@ -182,9 +184,11 @@ class Front:
         decode_id = plan.decode_id
         if plan.disaggregated and max_new_tokens(request, self.config.max_model_len) > 1:
             flight.prefill_on, flight.sources = plan.prefill_id, {plan.prefill_id, decode_id}
+            self._promised[decode_id] += 1
             self.policy.on_prefill_start(
                 plan.prefill_id, request.prompt_token_ids, _images(request)
             )
+            self._decode_started(flight, decode_id)  # D's KV is spoken for from now on
             route = Route(self.replica_id, ec_handle, decode_id)
             self._handles[plan.prefill_id].submit.remote(request, route)
             return
@@ -207,6 +211,7 @@ class Front:
         """P is done with the request (and so is E: P used or gave up its outputs)."""
         if flight.prefill_on is not None:
             self.policy.on_prefill_end(flight.prefill_on, flight.request.num_prompt_tokens)
+            self._promised[flight.plan.decode_id] -= 1
             flight.prefill_on = None
         if flight.encode_on is not None:
             self.policy.on_encode_end(flight.encode_on)
@@ -282,7 +287,6 @@ class Front:
                 flight.sources = set()
                 return [out]
             flight.sources = {plan.decode_id}
-            self._decode_started(flight, plan.decode_id)
             batch, flight.early = [out, *flight.early], []
             flight.yielded = True
             return batch
@@ -312,7 +316,9 @@ class Front:
         epoch: str | None = None
         cursor = -1
         while True:
-            ref = handle.pull.remote(self.replica_id, epoch, cursor)
+            ref = handle.pull.remote(
+                self.replica_id, epoch, cursor, self._promised.get(instance_id, 0)
+            )
             ref_id = ref.hex()
             self._pulls_in_flight.add(ref_id)
             self._recent_pulls.append((time.monotonic(), ref_id))

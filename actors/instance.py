@@ -48,6 +48,7 @@ ROLES = ("encoder", "prefill", "decode", "mixed")
 IDLE_YIELD_S = 0.001  # after a step that ran no model
 INBOX_POLL_S = 0.1  # how often an idle loop wakes to notice shutdown
 PULL_WAIT_S = 0.1  # a pull with no output returns after this: loads go out at >= 10 Hz
+DRAIN_QUIET_S = 1.0  # a draining instance is done once it held nothing for this long
 
 
 @dataclass(frozen=True)
@@ -140,13 +141,15 @@ class InstanceActor:
 
     async def pull(
         self, consumer_id: str, epoch: str | None = None, events_after: int = -1,
-        wait_s: float = PULL_WAIT_S,
+        num_promised: int = 0, wait_s: float = PULL_WAIT_S,
     ) -> PullReply:  # fmt: skip
         """Every output for the consumer's requests since its last pull (waiting up to
         `wait_s` for one), with this instance's load and prefix-cache events after the
-        consumer's cursor (`epoch`, `events_after`: from its previous reply)."""
+        consumer's cursor (`epoch`, `events_after`: from its previous reply).
+        `num_promised`: the consumer's requests planned onto this D that are still on their
+        P (a drain waits for them)."""
         self._start_reaper()
-        outputs = await self._streams.pull(consumer_id, wait_s)
+        outputs = await self._streams.pull(consumer_id, wait_s, num_promised)
         stats = self._stats
         load = LoadReport(
             num_active=stats.get("num_unfinished", 0) + len(self._encodes),
@@ -217,12 +220,29 @@ class InstanceActor:
         self._inbox.put(("wake", None))
 
     async def drain(self, timeout_s: float = 60.0) -> bool:
-        """Refuse new requests and wait until nothing is held; True when drained."""
+        """Stop being offered new requests (pull replies say so), finish what is held (KV held
+        for a D included, until acked or leased), and return True once nothing has been held
+        for DRAIN_QUIET_S: requests planned just before replicas noticed still arrive and
+        are served. False when `timeout_s` passed first."""
         self._draining = True
         deadline = time.monotonic() + timeout_s
-        while self._stats.get("num_active", 0) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        return not self._stats.get("num_active", 0)
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < DRAIN_QUIET_S:
+            if time.monotonic() > deadline:
+                return False
+            if self._holds_anything():
+                quiet_since = time.monotonic()
+            await asyncio.sleep(0.05)
+        return True
+
+    def _holds_anything(self) -> bool:
+        """Requests here, or promised: planned onto this D by a replica, still on their P."""
+        return bool(
+            self._stats.get("num_active", 0)
+            or len(self._streams)
+            or self._encodes
+            or self._streams.num_promised()
+        )
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -284,8 +304,6 @@ class InstanceActor:
         if command == "add":
             request, ec_handle = arg
             try:
-                if self._draining:
-                    raise ValueError(f"instance {self.spec.instance_id} is draining")
                 self.core.add_request(request)
             except ValueError as exc:
                 self._deliver(

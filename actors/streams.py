@@ -24,6 +24,7 @@ class _Outbox:
     request_ids: set[str] = field(default_factory=set)
     last_pull: float = field(default_factory=time.monotonic)
     pulling: bool = False
+    num_promised: int = 0  # the consumer's requests still on their way here (see pull)
 
 
 class Outboxes:
@@ -84,9 +85,13 @@ class Outboxes:
         else:
             self._boxes[consumer_id].request_ids.discard(request_id)
 
-    async def pull(self, consumer_id: str, wait_s: float) -> list[EngineCoreOutput]:
-        """Every output queued for the consumer, waiting up to `wait_s` for the first."""
+    async def pull(
+        self, consumer_id: str, wait_s: float, num_promised: int = 0
+    ) -> list[EngineCoreOutput]:
+        """Every output queued for the consumer, waiting up to `wait_s` for the first.
+        `num_promised`: how many more requests the consumer has sent on their way here."""
         box = self._box(consumer_id)
+        box.num_promised = num_promised
         box.pulling = True
         try:
             if not box.outputs:
@@ -99,6 +104,9 @@ class Outboxes:
         outputs, box.outputs = box.outputs, []
         box.ready.clear()
         return outputs
+
+    def num_promised(self) -> int:
+        return sum(box.num_promised for box in self._boxes.values())
 
     def orphaned(self) -> list[str]:
         """Open requests of consumers that stopped pulling (with none waiting) for

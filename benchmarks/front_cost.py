@@ -3,7 +3,7 @@
 Starts `pdcluster serve` (embedded Ray) as a subprocess, streams a closed-loop load through
 its gateway, and reads the CPU time of every process of the serve tree from /proc before
 and after. Processes are grouped by what they run: `instance` (the E/P/D actors), `front`
-(the serving process and every other actor: gateway replicas, a router, the registry),
+(the serving process and every other actor: gateway replicas, a router, the pool controller),
 `ray` (Ray's own daemons and idle workers). Also the TTFT and the first-to-second token gap
 at concurrency 1 and 16. `--checkout DIR` runs another checkout's serve (e.g. the commit
 before a change) with this same client, so both sides are measured the same way:

@@ -131,6 +131,59 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_scale(args: argparse.Namespace) -> int:
+    """Resize a role through a running gateway (`--url`) or the pool's controller on a Ray
+    cluster (`--address`)."""
+    if args.address:
+        ids = _scale_on_ray(args.address, args.pool, args.namespace, args.role, args.count)
+    else:
+        ids = _scale_over_http(args.url, args.api_key, args.role, args.count)
+    print(f"{args.role}: {len(ids)} instances" + "".join(f"\n  {i}" for i in ids))
+    return 0
+
+
+def _scale_over_http(url: str, api_key: str | None, role: str, count: int) -> list[str]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    endpoint = f"{url.rstrip('/')}/v1/admin/scale"
+    try:  # adding waits for the new instances to load (and maybe for a node)
+        response = httpx.post(
+            endpoint, json={"role": role, "count": count}, headers=headers, timeout=900
+        )
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach {endpoint}: {exc}") from None
+    if response.status_code != 200:
+        message = response.json().get("error", {}).get("message", response.text)
+        raise ValueError(f"{endpoint}: {response.status_code}: {message}")
+    return response.json()["instances"]
+
+
+def _scale_on_ray(
+    address: str, pool: str | None, namespace: str, role: str, count: int
+) -> list[str]:
+    import ray
+
+    from cluster.config import RaySettings
+    from cluster.launch import init_ray
+
+    init_ray(RaySettings(address=address, namespace=namespace))
+    controllers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == namespace and a["name"].endswith("-controller")]  # fmt: skip
+    if pool is None and len(controllers) != 1:
+        raise ValueError(f"name the pool with --pool; controllers found: {controllers or 'none'}")
+    name = f"{pool}-controller" if pool else controllers[0]
+    try:
+        controller = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        raise ValueError(f"no pool controller {name!r} in namespace {namespace!r}") from None
+    try:
+        members = ray.get(controller.scale.remote(role, count))
+    except ray.exceptions.RayTaskError as exc:
+        raise ValueError(str(exc.cause)) from None
+    return sorted(i for i, r in members.items() if r == role)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cluster.config import builtin_config_names
     from pdcluster import __version__
@@ -181,6 +234,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
     p.add_argument("--api-key", default=None)
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser(
+        "scale",
+        help="add or drain instances of a role at run time",
+        epilog="examples:\n  pdcluster scale --role decode --count 3\n"
+        "  pdcluster scale --address 10.0.0.5:6379 --pool pdcluster-serve --role prefill "
+        "--count 2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--role", required=True, choices=["encoder", "prefill", "decode", "mixed"])
+    p.add_argument("--count", required=True, type=int, help="instances of the role wanted")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="a running gateway")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--address", default=None, help="a Ray cluster instead of --url")
+    p.add_argument("--pool", default=None, help="with --address: the pool (if several)")
+    p.add_argument("--namespace", default="pdcluster", help="with --address: Ray namespace")
+    p.set_defaults(func=_cmd_scale)
 
     # `pdcluster job ...` is handed to cluster.job's own parser in main().
     sub.add_parser("job", help="batch inference: JSONL in, JSONL out (pdcluster job --help)")

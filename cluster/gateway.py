@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster.config import GatewaySettings
 from cluster.metrics import GatewayMetrics
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.protocol import ChatCompletionRequest, CompletionRequest, ScaleRequest
 from cluster.sse import DONE, ChunkEncoder, EventStreamResponse
 from engine.multimodal import decode_data_url, load_image
 from engine.outputs import EngineCoreOutput
@@ -58,6 +58,10 @@ class ClusterClient(Protocol):
     def stream(self, request: EngineRequest) -> AsyncIterator[EngineCoreOutput]: ...
 
     async def stats_async(self) -> list[dict[str, Any]]: ...
+
+    async def scale(self, role: str, count: int) -> dict[str, str]: ...
+
+    async def planner_state(self) -> dict[str, Any]: ...
 
 
 class APIError(Exception):
@@ -145,10 +149,21 @@ def create_app(
             )
         return JSONResponse({"status": "ok"})
 
+    @app.post("/v1/admin/scale")
+    async def scale(request: Request) -> dict[str, Any]:
+        body = await gw.parse(request, ScaleRequest)
+        try:
+            members = await cluster.scale(body.role, body.count)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        ids = sorted(i for i, role in members.items() if role == body.role)
+        return {"role": body.role, "count": len(ids), "instances": ids}
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         try:
             metrics.instances.snapshot = await asyncio.wait_for(cluster.stats_async(), 5.0)
+            metrics.instances.planner = await asyncio.wait_for(cluster.planner_state(), 5.0)
         except Exception:  # noqa: BLE001 - serve the request metrics even then
             metrics.instances.snapshot = []
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

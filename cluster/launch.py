@@ -1,5 +1,5 @@
-"""Start a pdcluster on Ray: instance actors per role (in placement groups) and the
-registry of that pool; `connect` attaches another gateway replica to a running pool.
+"""Start a pdcluster on Ray (its pool controller launches the instance actors), or attach
+another gateway replica to a running pool by name.
 
 `launch(config)` uses an existing cluster when `ray.address` is set (or Ray is already
 initialised), and otherwise starts an embedded local Ray with no dashboard. The `Cluster` it
@@ -21,13 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.front import Front
-from actors.instance import InstanceActor, InstanceSpec
-from actors.registry import Registry
-from cluster.config import ROLES, ClusterConfig
+from cluster.config import ClusterConfig, RaySettings
+from cluster.pool import READY_TIMEOUT_S, PoolController
 from engine.llm import RequestOutput, merge_output, new_request_output
 from engine.models.loader import read_model_info
 from engine.outputs import EngineCoreOutput
@@ -41,32 +38,28 @@ from routing.policy import RouterConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "preset:tiny-llava"
-READY_TIMEOUT_S = 300.0
 
 
 class Cluster:
     """A gateway replica's handle on a running pdcluster: its client API plans each request
-    and streams it straight from the instances. `owned`: this process launched the pool and
-    shuts it down (else it only detaches)."""
+    and streams it straight from the instances. `owned`: `shutdown` ends the pool (else it
+    only detaches this client)."""
 
     def __init__(
         self,
         config: ClusterConfig,
         model_dir: str,
         pool: str,
-        registry: ray.actor.ActorHandle,
-        launched: list[ray.actor.ActorHandle] | None = None,
-        placement_groups: list[PlacementGroup] | None = None,
+        controller: ray.actor.ActorHandle,
         owns_ray: bool = False,
         owned: bool = True,
     ) -> None:
         self.config = config
         self.model_dir = model_dir
         self.pool = pool  # the instance pool's name: other replicas attach by it
-        self.registry = registry
-        self.front = Front(lambda: ray.get(registry.members.remote()), _router_config(config))
-        self._launched = launched or []  # the owner's handles keep the actors alive
-        self._placement_groups = placement_groups or []
+        self.controller = controller
+        members = controller.members
+        self.front = Front(lambda: ray.get(members.remote()), _router_config(config))
         self._owns_ray = owns_ray
         self._owned = owned
         self.tokenizer = Tokenizer(model_dir)
@@ -149,17 +142,25 @@ class Cluster:
                 raise TimeoutError(f"instances still hold state: {busy}")
             time.sleep(0.05)
 
+    async def scale(self, role: str, count: int) -> dict[str, str]:
+        """Add instances of `role` or drain some away until it has `count` (see
+        cluster/pool.py); returns the members. ValueError for a count that cannot be."""
+        try:
+            return await self.controller.scale.remote(role, count)
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, ValueError):
+                raise exc.cause from None
+            raise
+
+    async def planner_state(self) -> dict[str, Any]:
+        return await self.controller.planner_state.remote()
+
     def shutdown(self) -> None:
-        handles = self._launched
         self.front.close()
         if self._owned:
-            with contextlib.suppress(ray.exceptions.RayError):  # dead actors hold nothing
-                ray.get([h.shutdown.remote() for h in handles], timeout=30)
-            ray.get(self.registry.forget.remote())
-            for handle in [*handles, self.registry]:
-                ray.kill(handle, no_restart=True)
-            for pg in self._placement_groups:
-                remove_placement_group(pg)
+            with contextlib.suppress(ray.exceptions.RayError):  # a dead one holds nothing
+                ray.get(self.controller.shutdown.remote(), timeout=120)
+            ray.kill(self.controller, no_restart=True)
         if self._owns_ray:
             ray.shutdown()
 
@@ -195,7 +196,7 @@ def _per_prompt(
     return list(params)
 
 
-def init_ray(config: ClusterConfig) -> bool:
+def init_ray(settings: RaySettings) -> bool:
     """Connect to (or start) Ray; True when this call started it.
 
     Connecting to an address uses token authentication whenever a token is available
@@ -206,15 +207,15 @@ def init_ray(config: ClusterConfig) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    kwargs: dict[str, Any] = {"namespace": config.ray.namespace, "log_to_driver": True}
-    address = config.ray.address or _address_from_env()
+    kwargs: dict[str, Any] = {"namespace": settings.namespace, "log_to_driver": True}
+    address = settings.address or _address_from_env()
     if not address:
         ray.init(
             **kwargs,
             address="local",  # a new embedded cluster, not one `ray start` left running
             include_dashboard=False,  # never expose the dashboard from an embedded cluster
-            num_cpus=config.ray.num_cpus,
-            object_store_memory=config.ray.object_store_memory,
+            num_cpus=settings.num_cpus,
+            object_store_memory=settings.object_store_memory,
         )
         logger.info("Ray is up (embedded, %s CPUs)", ray.cluster_resources().get("CPU"))
         return True
@@ -256,121 +257,48 @@ def _address_from_env() -> str | None:
 def launch(
     config: ClusterConfig | str | Path, pool: str | None = None, detached: bool = False
 ) -> Cluster:
-    """Start every instance of the topology and the pool's registry; returns when all are
+    """Start every instance of the topology and the pool's controller; returns when all are
     ready. With `pool` naming a pool that is already up (or being launched by another
     process), attach to it instead: every caller gets its own gateway-side client of the
-    one pool. `detached` pools outlive the process that launched them (a Serve app's
-    replicas come and go); `shutdown_pool` ends one."""
+    one pool. A new unnamed pool is this caller's (its `shutdown` ends the pool); a named
+    one is shared and ends with `shutdown_pool`. `detached` pools outlive the process that
+    launched them (a Serve app's replicas come and go)."""
     if not isinstance(config, ClusterConfig):
         config = ClusterConfig.from_yaml(config)
-    owns_ray = init_ray(config)
+    owns_ray = init_ray(config.ray)
     model = config.model or DEFAULT_MODEL
     model_dir = resolve_model_dir(model)  # the driver tokenizes, so it needs the files too
     name = pool or f"pdc-{uuid.uuid4().hex[:6]}"
-    lifetime = "detached" if detached else None
-    registry = (
-        ray.remote(Registry)
+    controller = (
+        ray.remote(PoolController)
         .options(
-            name=f"{name}-registry", get_if_exists=True, num_cpus=0, max_restarts=-1,
-            lifetime=lifetime,
+            name=f"{name}-controller", get_if_exists=True, num_cpus=0, max_restarts=-1,
+            max_concurrency=1000, lifetime="detached" if detached else None,
         )
-        .remote(name)
+        .remote(name, config.model_dump(), model)
     )  # fmt: skip
-    if not ray.get(registry.claim.remote(), timeout=READY_TIMEOUT_S):
-        members = ray.get(registry.wait_ready.remote(), timeout=READY_TIMEOUT_S)
-        logger.info("attached to pdcluster %s: %d instances", name, len(members))
-        return Cluster(config, model_dir, name, registry, owns_ray=owns_ray, owned=False)
-    instances: dict[str, tuple[str, ray.actor.ActorHandle]] = {}
-    groups = []
     try:
-        for role in ROLES:
-            spec = config.role(role)
-            if spec.count == 0:
-                continue
-            pg = _placement_group(spec, f"{name}-{role}", lifetime)
-            groups.append(pg)
-            for index in range(spec.count):
-                iid = f"{name}-{role}-{index}"
-                handle = _start_instance(config, role, iid, model, pg, index, lifetime)
-                instances[iid] = (role, handle)
-        ray.get([h.health.remote() for _, h in instances.values()], timeout=READY_TIMEOUT_S)
-        ray.get(registry.publish.remote({iid: role for iid, (role, _) in instances.items()}))
+        members = ray.get(controller.start.remote(), timeout=READY_TIMEOUT_S)
     except BaseException:
-        for _, handle in [*instances.values(), (None, registry)]:
-            ray.kill(handle, no_restart=True)
-        for pg in groups:
-            remove_placement_group(pg)
+        if pool is None:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(controller.shutdown.remote(), timeout=60)
+            ray.kill(controller, no_restart=True)
         raise
-    logger.info("pdcluster %s is up: %s", name, config.topology_name())
-    handles = [h for _, h in instances.values()]
-    return Cluster(config, model_dir, name, registry, handles, groups, owns_ray)
+    logger.info("pdcluster %s: %d instances (%s)", name, len(members), config.topology_name())
+    return Cluster(config, model_dir, name, controller, owns_ray=owns_ray, owned=pool is None)
 
 
 def shutdown_pool(pool: str, namespace: str | None = None) -> bool:
-    """End a (detached) pool by name: its instances, placement groups and registry. False
+    """End a named pool: its instances, their placement groups and its controller. False
     when no such pool is up."""
     try:
-        registry = ray.get_actor(f"{pool}-registry", namespace=namespace)
+        controller = ray.get_actor(f"{pool}-controller", namespace=namespace)
     except ValueError:
         return False
-    members = ray.get(registry.members.remote())
-    handles = [ray.get_actor(iid, namespace=namespace) for iid in members]
-    with contextlib.suppress(ray.exceptions.RayError):
-        ray.get([h.shutdown.remote() for h in handles], timeout=30)
-    ray.get(registry.forget.remote())
-    for handle in [*handles, registry]:
-        ray.kill(handle, no_restart=True)
-    for role in ROLES:
-        with contextlib.suppress(ValueError):  # no group of that role
-            remove_placement_group(ray.util.get_placement_group(f"{pool}-{role}"))
+    ray.get(controller.shutdown.remote(), timeout=120)
+    ray.kill(controller, no_restart=True)
     return True
-
-
-def _placement_group(spec, name: str, lifetime: str | None) -> PlacementGroup:
-    bundle: dict[str, float] = {"CPU": spec.num_cpus, **spec.resources}
-    if spec.num_gpus:
-        bundle["GPU"] = spec.num_gpus
-    bundle = {k: v for k, v in bundle.items() if v} or {"CPU": 0.01}
-    pg = placement_group([bundle] * spec.count, strategy="PACK", name=name, lifetime=lifetime)
-    ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
-    return pg
-
-
-def _start_instance(
-    config: ClusterConfig,
-    role: str,
-    iid: str,
-    model: str,
-    pg: PlacementGroup,
-    index: int,
-    lifetime: str | None,
-) -> ray.actor.ActorHandle:
-    spec = config.role(role)
-    instance = InstanceSpec(
-        instance_id=iid,
-        role=role,
-        engine=config.engine_config(role, model),
-        kv_lease_s=config.connector.kv_lease_s,
-        kv_load_timeout_s=config.connector.kv_load_timeout_s,
-        ec_timeout_s=config.connector.ec_timeout_s,
-        stream_idle_timeout_s=config.router.stream_idle_timeout_s,
-    )
-    return (
-        ray.remote(InstanceActor)
-        .options(
-            name=iid,
-            num_cpus=spec.num_cpus,
-            num_gpus=spec.num_gpus,
-            resources=dict(spec.resources),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=index
-            ),
-            max_concurrency=100_000,
-            max_restarts=3,
-            lifetime=lifetime,
-        )
-        .remote(instance)
-    )
 
 
 def _router_config(config: ClusterConfig) -> RouterConfig:

@@ -3,6 +3,7 @@ and per-instance state read from the cluster at scrape time."""
 
 from __future__ import annotations
 
+from collections import Counter as Counter_
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -66,8 +67,10 @@ class _InstanceCollector(Collector):
 
     def __init__(self) -> None:
         self.snapshot: list[dict[str, Any]] = []
+        self.planner: dict[str, Any] = {}  # the pool controller's planner_state()
 
     def collect(self) -> Iterable[Metric]:
+        yield from self._pool()
         labels = ["instance", "role"]
         for name, (help_text, fn) in _GAUGES.items():
             family = GaugeMetricFamily(name, help_text, labels=labels)
@@ -80,6 +83,26 @@ class _InstanceCollector(Collector):
                 family.add_metric([str(s.get("id")), str(s.get("role"))], float(fn(s)))
             yield family
         yield self._transfer_latency(labels)
+
+    def _pool(self) -> Iterable[Metric]:
+        """Instances per role (live, and what the planner wants) and its decisions."""
+        live = Counter_(s.get("role") for s in self.snapshot if s.get("healthy"))
+        desired = self.planner.get("desired", {})
+        actual = GaugeMetricFamily("pdcluster_instances", "Live instances", labels=["role"])
+        wanted = GaugeMetricFamily(
+            "pdcluster_instances_desired",
+            "Instances the planner wants (the configured count without a planner)",
+            labels=["role"],
+        )
+        for role in sorted(set(live) | set(desired)):
+            actual.add_metric([role], float(live.get(role, 0)))
+            wanted.add_metric([role], float(desired.get(role, live.get(role, 0))))
+        decisions = CounterMetricFamily(
+            "pdcluster_planner_decisions", "Scaling decisions", labels=["role", "direction"]
+        )
+        for role, direction, count in self.planner.get("decisions", []):
+            decisions.add_metric([role, direction], float(count))
+        yield from (actual, wanted, decisions)
 
     def _transfer_latency(self, labels: list[str]) -> HistogramMetricFamily:
         """KV load latency on each decode instance, from its connector's histogram."""

@@ -154,3 +154,11 @@ class ChatCompletionRequest(_SamplingFields):
             for p in m.content
             if isinstance(p, ImagePart)
         ]
+
+
+class ScaleRequest(_Body):
+    """`POST /v1/admin/scale`: run `count` instances of `role` (adding, or draining the
+    newest away)."""
+
+    role: Literal["encoder", "prefill", "decode", "mixed"] = Field(description="the role to resize")
+    count: int = Field(ge=0, le=64, description="instances of the role wanted")

@@ -18,6 +18,7 @@ def ray_session():
     if not ray.is_initialized():
         ray.init(
             address="local",  # always a fresh cluster, never one another process started
+            namespace="pdcluster",  # pools are named (detached) actors: give them a home
             num_cpus=8,
             include_dashboard=False,
             object_store_memory=512 * 1024 * 1024,

@@ -280,30 +280,30 @@ def test_encoder_killed_while_encoding(epd, baseline, reference):
     assert total(epd, "prefill", "ec_loaded") == loaded + 1  # the restarted E encoded it
 
 
-def test_the_registry_is_off_the_request_path(ray_session, model_dir, reference):
-    """A killed registry (membership, control plane only) disturbs no request in flight,
+def test_the_pool_controller_is_off_the_request_path(ray_session, model_dir, reference):
+    """A killed pool controller (membership and scaling, control plane only) disturbs no request in flight,
     restarts, and the pool keeps serving."""
     with start(model_dir, prefill=1, decode=1) as cluster:
         baseline = live_object_ids()
 
         async def scenario():
-            request = cluster.make_request("registry dies mid-stream", LONG)
+            request = cluster.make_request("controller dies mid-stream", LONG)
             task = asyncio.create_task(collect(cluster, request))
             assert await until(lambda: instance_stats(cluster, "decode")["num_running"] == 1)
-            ray.kill(cluster.registry, no_restart=False)
+            ray.kill(cluster.controller, no_restart=False)
             return await task
 
         out = asyncio.run(scenario())
         assert out.finish_reason == "length"
-        assert out.token_ids == reference("registry dies mid-stream", LONG).token_ids
-        assert wait_until(lambda: _registry_answers(cluster), 60)
+        assert out.token_ids == reference("controller dies mid-stream", LONG).token_ids
+        assert wait_until(lambda: _controller_answers(cluster), 60)
         again = cluster.generate("after the restart", GREEDY)[0]
         assert again.token_ids == reference("after the restart").token_ids
         assert_clean(cluster, baseline, timeout_s=90)
 
 
-def _registry_answers(cluster) -> bool:
+def _controller_answers(cluster) -> bool:
     try:
-        return len(ray.get(cluster.registry.members.remote(), timeout=5)) == 2
+        return len(ray.get(cluster.controller.members.remote(), timeout=5)) == 2
     except ray.exceptions.RayError:
         return False

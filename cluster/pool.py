@@ -1,0 +1,262 @@
+"""PoolController: one instance pool's membership, and the only thing that changes it.
+
+A named actor (`<pool>-controller`) on the control plane only: gateway replicas read its
+membership when they start and poll it for instances that join or leave; no request ever
+calls it. It launches the pool, adds instances of a role and drains them away at run time
+(`scale`), and runs the autoscaling planner when the config has an `autoscale:` section.
+
+Every instance is a detached actor in a placement group of its own, so the pool survives a
+restart of its controller (membership is kept in Ray's GCS key-value store too), and an
+instance whose resources are not free waits for Ray's autoscaler to add a node. Removal
+drains: the instance stops being offered new requests, finishes what it holds (including KV
+held for a D until acked or leased), then leaves the membership and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import Counter
+from typing import Any
+
+import ray
+from ray.experimental import internal_kv
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.instance import InstanceActor, InstanceSpec
+from cluster.config import ROLES, ClusterConfig
+from cluster.planner import Planner, signals_from_stats
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 300.0  # placement (a node may have to be added) and model load
+DRAIN_TIMEOUT_S = 600.0
+SERVING_ROLES = ("prefill", "decode", "mixed")
+
+
+class PoolController:
+    """Wrap with `ray.remote(PoolController)`, named `<pool>-controller`."""
+
+    def __init__(self, pool: str, config: dict[str, Any], model: str) -> None:
+        self.pool = pool
+        self.config = ClusterConfig.model_validate(config)
+        self.model = model
+        namespace = ray.get_runtime_context().namespace
+        self._key = f"pdcluster/{namespace}/{pool}/members".encode()
+        raw = internal_kv._internal_kv_get(self._key)
+        self._members: dict[str, str] = json.loads(raw) if raw else {}
+        self._next_index: Counter[str] = Counter()
+        for iid, role in self._members.items():
+            index = int(iid.rsplit("-", 1)[1])
+            self._next_index[role] = max(self._next_index[role], index + 1)
+        self._lock: asyncio.Lock | None = None
+        self._started: asyncio.Task | None = None
+        self._planner = Planner(self.config.autoscale) if self.config.autoscale else None
+        self._planner_task: asyncio.Task | None = None
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (role, up|down) -> count
+
+    # ---- membership (read by every gateway replica) ------------------------------------
+    async def start(self) -> dict[str, str]:
+        """Launch the pool's configured instances, once (every caller waits for that one
+        launch); then the members."""
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_task(self._launch())
+        await asyncio.shield(self._started)
+        self._ensure_planner()
+        return dict(self._members)
+
+    async def members(self) -> dict[str, str]:
+        """instance id (its actor name) -> role."""
+        self._ensure_planner()  # also after a restart of this actor
+        return dict(self._members)
+
+    async def planner_state(self) -> dict[str, Any]:
+        """Desired count per role (the planner's, else the actual), and decisions made."""
+        actual = Counter(self._members.values())
+        desired = dict(actual)
+        if self._planner is not None:
+            desired.update(self._planner.desired)
+        return {
+            "desired": {r: desired.get(r, 0) for r in ROLES},
+            "decisions": [[r, d, n] for (r, d), n in self.decisions.items()],
+        }
+
+    # ---- scaling -----------------------------------------------------------------------
+    async def scale(self, role: str, count: int) -> dict[str, str]:
+        """Add instances of `role`, or drain the newest ones, until it has `count`; returns
+        the members. Raises ValueError for a count that would leave nothing to serve."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if not 0 <= count <= 64:
+            raise ValueError(f"count must be in [0, 64], got {count}")
+        async with self._get_lock():
+            current = sorted(
+                (i for i, r in self._members.items() if r == role), key=_index, reverse=True
+            )
+            others = sum(1 for r in self._members.values() if r in SERVING_ROLES and r != role)
+            if role in SERVING_ROLES and count == 0 and others == 0:
+                raise ValueError(f"removing the last {role} instance leaves none to serve")
+            if count > len(current):
+                await self._add(role, count - len(current))
+            for iid in current[: max(0, len(current) - count)]:
+                await self._remove(iid)
+            return dict(self._members)
+
+    async def shutdown(self) -> None:
+        """End the pool: every instance, its placement group, the persisted membership."""
+        for task in (self._planner_task, self._started):
+            if task is not None:
+                task.cancel()
+        handles = [_actor(iid) for iid in self._members]
+        with contextlib.suppress(ray.exceptions.RayError, asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(h.shutdown.remote() for h in handles if h)), 30)
+        for iid in list(self._members):
+            _kill(iid)
+        self._members = {}
+        internal_kv._internal_kv_del(self._key)
+
+    async def _launch(self) -> None:
+        if self._members:  # a restarted controller: the pool is up already
+            return
+        async with self._get_lock():
+            roles = [r for r in ROLES for _ in range(self.config.role(r).count)]
+            await asyncio.gather(*(self._add(r, 1) for r in roles))
+        logger.info("pool %s is up: %s", self.pool, self.config.topology_name())
+
+    async def _add(self, role: str, count: int) -> None:
+        """Start `count` instances of `role` (each in its own placement group) and admit them
+        once they answer."""
+        started = []
+        for _ in range(count):
+            iid = f"{self.pool}-{role}-{self._next_index[role]}"
+            self._next_index[role] += 1
+            started.append((iid, self._start(role, iid)))
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(h.health.remote() for _, h in started)), READY_TIMEOUT_S
+            )
+        except BaseException:
+            for iid, _ in started:
+                _kill(iid)
+            raise
+        for iid, _ in started:
+            self._members[iid] = role
+            logger.info("instance %s (%s) joined pool %s", iid, role, self.pool)
+        self._save()
+
+    def _start(self, role: str, iid: str) -> ray.actor.ActorHandle:
+        spec = self.config.role(role)
+        pg = _placement_group(spec, iid)
+        instance = InstanceSpec(
+            instance_id=iid,
+            role=role,
+            engine=self.config.engine_config(role, self.model),
+            kv_lease_s=self.config.connector.kv_lease_s,
+            kv_load_timeout_s=self.config.connector.kv_load_timeout_s,
+            ec_timeout_s=self.config.connector.ec_timeout_s,
+            stream_idle_timeout_s=self.config.router.stream_idle_timeout_s,
+        )
+        return (
+            ray.remote(InstanceActor)
+            .options(
+                name=iid,
+                num_cpus=spec.num_cpus,
+                num_gpus=spec.num_gpus,
+                resources=dict(spec.resources),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
+                max_concurrency=100_000,
+                max_restarts=3,
+                lifetime="detached",  # fate-shares with no process: the pool outlives them
+            )
+            .remote(instance)
+        )
+
+    async def _remove(self, iid: str) -> None:
+        """Drain an instance, then take it out of the pool and end it."""
+        handle = _actor(iid)
+        if handle is not None:
+            with contextlib.suppress(ray.exceptions.RayError):
+                if not await handle.drain.remote(DRAIN_TIMEOUT_S):
+                    logger.warning("instance %s did not drain in time; removing it", iid)
+        self._members.pop(iid, None)
+        self._save()
+        _kill(iid)
+        logger.info("instance %s left pool %s", iid, self.pool)
+
+    # ---- planner -----------------------------------------------------------------------
+    def _ensure_planner(self) -> None:
+        if self._planner is not None and self._planner_task is None and self._members:
+            self._planner_task = asyncio.get_running_loop().create_task(self._plan_loop())
+
+    async def _plan_loop(self) -> None:
+        interval_s = self.config.autoscale.interval_s
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self._plan_once()
+            except Exception:  # noqa: BLE001 - a failed round must not stop the planner
+                logger.exception("planner round failed")
+
+    async def _plan_once(self) -> None:
+        stats = await self._stats()
+        for decision in self._planner.decide(signals_from_stats(stats)):
+            if decision.desired == decision.current:
+                continue
+            direction = "up" if decision.desired > decision.current else "down"
+            logger.info(
+                "planner: %s %d -> %d (%s)",
+                decision.role, decision.current, decision.desired, decision.reason,
+            )  # fmt: skip
+            self.decisions[(decision.role, direction)] += 1
+            await self.scale(decision.role, decision.desired)
+
+    async def _stats(self) -> list[dict[str, Any]]:
+        results = []
+        for iid, role in list(self._members.items()):
+            handle = _actor(iid)
+            try:
+                stats = await asyncio.wait_for(handle.stats.remote(), 5) if handle else {}
+                results.append({**stats, "role": role, "healthy": bool(stats)})
+            except (ray.exceptions.RayError, asyncio.TimeoutError):
+                results.append({"id": iid, "role": role, "healthy": False})
+        return results
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _get_lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    def _save(self) -> None:
+        internal_kv._internal_kv_put(self._key, json.dumps(self._members).encode())
+
+
+def _index(instance_id: str) -> int:
+    return int(instance_id.rsplit("-", 1)[1])
+
+
+def _actor(instance_id: str) -> ray.actor.ActorHandle | None:
+    try:
+        return ray.get_actor(instance_id)
+    except ValueError:
+        return None
+
+
+def _kill(instance_id: str) -> None:
+    handle = _actor(instance_id)
+    if handle is not None:
+        ray.kill(handle, no_restart=True)
+    with contextlib.suppress(ValueError):  # no group by that name
+        remove_placement_group(ray.util.get_placement_group(instance_id))
+
+
+def _placement_group(spec, name: str) -> PlacementGroup:
+    """One instance's bundle; it waits (a node may be added) until the resources are free."""
+    bundle: dict[str, float] = {"CPU": spec.num_cpus, **spec.resources}
+    if spec.num_gpus:
+        bundle["GPU"] = spec.num_gpus
+    bundle = {k: v for k, v in bundle.items() if v} or {"CPU": 0.01}
+    return placement_group([bundle], name=name, lifetime="detached")
