@@ -233,11 +233,13 @@ class Front:
         self._release(flight)
         self._deliver(flight, batch)
 
-    @staticmethod
-    def _deliver(flight: _Flight, batch: list[EngineCoreOutput]) -> None:
+    def _deliver(self, flight: _Flight, batch: list[EngineCoreOutput]) -> None:
         if flight.request.request_id != flight.client_id:  # a later attempt's outputs
             batch = [dataclasses.replace(o, request_id=flight.client_id) for o in batch]
-        flight.deliver(batch)
+        try:
+            flight.deliver(batch)
+        except RuntimeError:  # the caller's event loop is closed: nobody reads the request
+            self._abort(flight.client_id)
 
     def _abort(self, client_id: str) -> None:
         flight = self._flights.pop(self._wire_ids.pop(client_id, ""), None)

@@ -298,7 +298,7 @@ class _Gateway:
             raise APIError(400, f"{param}: {error['msg']}", "invalid_value", param) from None
         except RecursionError:
             raise APIError(400, "request body is nested too deeply", "invalid_json") from None
-        if parsed.model != self.model_name:
+        if getattr(parsed, "model", self.model_name) != self.model_name:
             raise APIError(
                 404,
                 f"model {parsed.model!r} does not exist; this server serves {self.model_name!r}",

@@ -38,6 +38,7 @@ from routing.policy import RouterConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "preset:tiny-llava"
+HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 
 
 class Cluster:
@@ -274,6 +275,7 @@ def launch(
         .options(
             name=f"{name}-controller", get_if_exists=True, num_cpus=0, max_restarts=-1,
             max_concurrency=1000, lifetime="detached" if detached else None,
+            resources={HEAD_RESOURCE: 0.001},  # never on a worker an autoscaler may remove
         )
         .remote(name, config.model_dump(), model)
     )  # fmt: skip

@@ -87,7 +87,7 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_ids: Iterable[int] = (),
+        eos_token_ids: Iterable[int] | None = (),
         mm_features: list[MultiModalFeature] | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         arrival_time: float | None = None,
@@ -97,7 +97,7 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_ids = frozenset(eos_token_ids)  # the model's stop tokens, all of them
+        self.eos_token_ids = frozenset(eos_token_ids or ())  # the model's stop tokens, all of them
         self.mm_features = sorted(mm_features or [], key=lambda f: f.offset)
         self.kv_transfer_params = kv_transfer_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
