@@ -280,7 +280,7 @@ def launch(
         .remote(name, config.model_dump(), model)
     )  # fmt: skip
     try:
-        members = ray.get(controller.start.remote(), timeout=READY_TIMEOUT_S)
+        members = _start_pool(controller)
     except BaseException:
         if pool is None:
             with contextlib.suppress(ray.exceptions.RayError):
@@ -289,6 +289,18 @@ def launch(
         raise
     logger.info("pdcluster %s: %d instances (%s)", name, len(members), config.topology_name())
     return Cluster(config, model_dir, name, controller, owns_ray=owns_ray, owned=pool is None)
+
+
+def _start_pool(controller: ray.actor.ActorHandle) -> dict[str, str]:
+    """The pool's members once it is up; a controller that is restarting is waited for."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        try:
+            return ray.get(controller.start.remote(), timeout=READY_TIMEOUT_S)
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def shutdown_pool(pool: str, namespace: str | None = None) -> bool:
