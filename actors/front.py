@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -46,6 +47,7 @@ MAX_RETRIES = 1  # plans of a request after its instance died before it yielded 
 PULL_TIMEOUT_S = 5.0  # a pull unanswered this long marks its instance unhealthy
 RETRY_PULL_S = 0.5  # pause between pulls of an instance that failed
 MEMBERS_POLL_S = 1.0  # how often the pool's membership is re-read
+LATENCY_REPORT_ROUNDS = 5  # membership polls between two latency reports to the planner
 
 Deliver = Callable[[list[EngineCoreOutput]], None]
 _FRONTS: weakref.WeakSet[Front] = weakref.WeakSet()
@@ -67,15 +69,25 @@ class _Flight:
     early: list[EngineCoreOutput] = field(default_factory=list)  # D's, before P's token
     yielded: bool = False  # something reached the client: no more re-planning
     attempts: int = 0
+    started_s: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    num_tokens: int = 0
 
 
 class Front:
     """`members`: a callable returning {instance id: role} (polled for joins and leaves)."""
 
-    def __init__(self, members: Callable[[], dict[str, str]], config: RouterConfig) -> None:
+    def __init__(
+        self,
+        members: Callable[[], dict[str, str]],
+        config: RouterConfig,
+        report_latency: Callable[[float | None, float | None], None] | None = None,
+    ) -> None:
         self.config = config
         self.replica_id = f"front-{uuid.uuid4().hex[:12]}"
         self._members = members
+        self._report_latency = report_latency  # this replica's TTFT/TPOT p90, to the planner
+        self._latencies: deque[tuple[float, float, float | None]] = deque(maxlen=1000)
         self.policy = RouterPolicy({}, config)
         self._handles: dict[str, ActorHandle] = {}
         self._pullers: dict[str, asyncio.Task] = {}
@@ -232,6 +244,20 @@ class Front:
         self._wire_ids.pop(flight.client_id, None)
         self._release(flight)
         self._deliver(flight, batch)
+        if flight.first_token_s is not None:
+            now = time.monotonic()
+            tpot = None
+            if flight.num_tokens > 1:
+                tpot = (now - flight.first_token_s) / (flight.num_tokens - 1)
+            self._latencies.append((now, flight.first_token_s - flight.started_s, tpot))
+
+    def latency_p90(self, window_s: float = 60.0) -> tuple[float | None, float | None]:
+        """TTFT and TPOT p90 (ms) of the requests this replica finished in the window."""
+        since = time.monotonic() - window_s
+        recent = [(t, p) for end, t, p in self._latencies if end >= since]
+        ttft = _p90([t for t, _ in recent])
+        tpot = _p90([p for _, p in recent if p is not None])
+        return ttft, tpot
 
     def _deliver(self, flight: _Flight, batch: list[EngineCoreOutput]) -> None:
         if flight.request.request_id != flight.client_id:  # a later attempt's outputs
@@ -266,8 +292,13 @@ class Front:
             batch = self._on_output(flight, instance_id, out)
             if batch:
                 batches.setdefault(out.request_id, []).extend(batch)
+        now = time.monotonic()
         for rid, batch in batches.items():
             flight = self._flights.get(rid)
+            num_tokens = sum(len(o.new_token_ids) for o in batch)
+            if num_tokens and flight.first_token_s is None:
+                flight.first_token_s = now
+            flight.num_tokens += num_tokens
             if batch[-1].finished:
                 self._finish(flight, batch)
             else:
@@ -361,10 +392,15 @@ class Front:
 
     # ---- membership --------------------------------------------------------------------
     async def _watch_members(self) -> None:
-        while True:
+        """Poll the membership; now and then tell the planner this replica's latencies."""
+        for round_index in itertools.count(1):
             await asyncio.sleep(MEMBERS_POLL_S)
             try:
                 await self._sync_members_async()
+                if self._report_latency and round_index % LATENCY_REPORT_ROUNDS == 0:
+                    await asyncio.get_running_loop().run_in_executor(
+                        None, self._report_latency, *self.latency_p90()
+                    )
             except Exception:  # noqa: BLE001 - a failed read keeps the last membership
                 logger.exception("reading the instance pool failed")
 
@@ -416,6 +452,14 @@ async def _as_coro(fn: Callable[[], Any]) -> Any:
 
 async def _answer(ref: Any, timeout_s: float) -> Any:
     return await asyncio.wait_for(ref, timeout_s)
+
+
+def _p90(values: list[float]) -> float | None:
+    """The 90th percentile in milliseconds; None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] * 1000
 
 
 def _images(request: Request) -> list[tuple[int, int, str]]:

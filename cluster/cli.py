@@ -154,7 +154,10 @@ def _scale_over_http(url: str, api_key: str | None, role: str, count: int) -> li
     except httpx.HTTPError as exc:
         raise ValueError(f"cannot reach {endpoint}: {exc}") from None
     if response.status_code != 200:
-        message = response.json().get("error", {}).get("message", response.text)
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text
         raise ValueError(f"{endpoint}: {response.status_code}: {message}")
     return response.json()["instances"]
 

@@ -156,6 +156,8 @@ def create_app(
             members = await cluster.scale(body.role, body.count)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - e.g. no room for new instances: retry later
+            raise APIError(503, f"scaling failed: {exc}", "scale_failed") from None
         ids = sorted(i for i, role in members.items() if role == body.role)
         return {"role": body.role, "count": len(ids), "instances": ids}
 

@@ -24,7 +24,7 @@ import ray
 
 from actors.front import Front
 from cluster.config import ClusterConfig, RaySettings
-from cluster.pool import READY_TIMEOUT_S, PoolController
+from cluster.pool import READY_TIMEOUT_S, PlacementTimeout, PoolController
 from engine.llm import RequestOutput, merge_output, new_request_output
 from engine.models.loader import read_model_info
 from engine.outputs import EngineCoreOutput
@@ -59,8 +59,12 @@ class Cluster:
         self.model_dir = model_dir
         self.pool = pool  # the instance pool's name: other replicas attach by it
         self.controller = controller
-        members = controller.members
-        self.front = Front(lambda: ray.get(members.remote()), _router_config(config))
+        members, report = controller.members, controller.report_latency
+        self.front = Front(
+            lambda: ray.get(members.remote()),
+            _router_config(config),
+            lambda ttft, tpot: report.remote(self.front.replica_id, ttft, tpot),
+        )
         self._owns_ray = owns_ray
         self._owned = owned
         self.tokenizer = Tokenizer(model_dir)
@@ -149,7 +153,7 @@ class Cluster:
         try:
             return await self.controller.scale.remote(role, count)
         except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, ValueError):
+            if isinstance(exc.cause, (ValueError, PlacementTimeout)):
                 raise exc.cause from None
             raise
 

@@ -18,12 +18,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import Counter
 from typing import Any
 
 import ray
 from ray.experimental import internal_kv
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.instance import InstanceActor, InstanceSpec
@@ -35,6 +36,11 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0  # placement (a node may have to be added) and model load
 DRAIN_TIMEOUT_S = 600.0
 SERVING_ROLES = ("prefill", "decode", "mixed")
+LATENCY_FRESH_S = 30.0  # replicas report every few seconds; older reports are dropped
+
+
+class PlacementTimeout(RuntimeError):
+    """New instances found no room (no node had their resources free) in time."""
 
 
 class PoolController:
@@ -57,6 +63,8 @@ class PoolController:
         self._planner = Planner(self.config.autoscale) if self.config.autoscale else None
         self._planner_task: asyncio.Task | None = None
         self.decisions: Counter[tuple[str, str]] = Counter()  # (role, up|down) -> count
+        # gateway replica -> (when, TTFT p90 ms, TPOT p90 ms) it last reported
+        self._latencies: dict[str, tuple[float, float | None, float | None]] = {}
 
     # ---- membership (read by every gateway replica) ------------------------------------
     async def start(self) -> dict[str, str]:
@@ -83,6 +91,21 @@ class PoolController:
             "desired": {r: desired.get(r, 0) for r in ROLES},
             "decisions": [[r, d, n] for (r, d), n in self.decisions.items()],
         }
+
+    async def report_latency(
+        self, replica_id: str, ttft_p90_ms: float | None, tpot_p90_ms: float | None
+    ) -> None:
+        """A gateway replica's recent latencies, for the planner's latency targets."""
+        self._latencies[replica_id] = (time.monotonic(), ttft_p90_ms, tpot_p90_ms)
+
+    def _latency_p90s(self) -> tuple[float | None, float | None]:
+        """The worst p90s that replicas reported lately (a replica that stopped reporting
+        is gone)."""
+        since = time.monotonic() - LATENCY_FRESH_S
+        fresh = [v for t, *v in self._latencies.values() if t >= since]
+        ttft = [v[0] for v in fresh if v[0] is not None]
+        tpot = [v[1] for v in fresh if v[1] is not None]
+        return max(ttft, default=None), max(tpot, default=None)
 
     # ---- scaling -----------------------------------------------------------------------
     async def scale(self, role: str, count: int) -> dict[str, str]:
@@ -138,6 +161,14 @@ class PoolController:
             await asyncio.wait_for(
                 asyncio.gather(*(h.health.remote() for _, h in started)), READY_TIMEOUT_S
             )
+        except asyncio.TimeoutError:
+            for iid, _ in started:
+                _kill(iid)
+            raise PlacementTimeout(
+                f"no room for {count} more {role} instance(s) within {READY_TIMEOUT_S:.0f} s: "
+                f"each needs {self._bundle(role)}; free now: {_free_resources()} (add nodes, "
+                "let an autoscaler add them, or ask for fewer resources per instance)"
+            ) from None
         except BaseException:
             for iid, _ in started:
                 _kill(iid)
@@ -147,9 +178,14 @@ class PoolController:
             logger.info("instance %s (%s) joined pool %s", iid, role, self.pool)
         self._save()
 
+    def _bundle(self, role: str) -> dict[str, float]:
+        spec = self.config.role(role)
+        bundle = {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **spec.resources}
+        return {k: v for k, v in bundle.items() if v} or {"CPU": 0.01}
+
     def _start(self, role: str, iid: str) -> ray.actor.ActorHandle:
         spec = self.config.role(role)
-        pg = _placement_group(spec, iid)
+        pg = placement_group([self._bundle(role)], name=iid, lifetime="detached")
         instance = InstanceSpec(
             instance_id=iid,
             role=role,
@@ -202,7 +238,8 @@ class PoolController:
 
     async def _plan_once(self) -> None:
         stats = await self._stats()
-        for decision in self._planner.decide(signals_from_stats(stats)):
+        signals = signals_from_stats(stats, *self._latency_p90s())
+        for decision in self._planner.decide(signals):
             if decision.desired == decision.current:
                 continue
             direction = "up" if decision.desired > decision.current else "down"
@@ -253,10 +290,6 @@ def _kill(instance_id: str) -> None:
         remove_placement_group(ray.util.get_placement_group(instance_id))
 
 
-def _placement_group(spec, name: str) -> PlacementGroup:
-    """One instance's bundle; it waits (a node may be added) until the resources are free."""
-    bundle: dict[str, float] = {"CPU": spec.num_cpus, **spec.resources}
-    if spec.num_gpus:
-        bundle["GPU"] = spec.num_gpus
-    bundle = {k: v for k, v in bundle.items() if v} or {"CPU": 0.01}
-    return placement_group([bundle], name=name, lifetime="detached")
+def _free_resources() -> dict[str, float]:
+    free = ray.available_resources()
+    return {k: round(v, 2) for k, v in free.items() if k in ("CPU", "GPU") or "pdcluster" in k}
