@@ -486,6 +486,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def slo_source(args: argparse.Namespace) -> str:
+    if not args.slo_scale:
+        return "absolute (--ttft-slo-ms/--tpot-slo-ms)"
+    return f"{args.slo_scale} × the first run's isolated TTFT,TPOT"
+
+
 def build_workload(args: argparse.Namespace, steps: tuple[RateStep, ...]) -> Workload:
     arrivals = poisson_arrivals(steps, args.seed)
     lengths = LengthScaling(args.token_scale, args.min_prompt_len, args.max_prompt_len,
@@ -515,8 +521,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only local clusters
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    from benchmarks import bench
-
     print(f"workload: {describe(workload)}")
     results: dict[str, Any] = {
         "command": "pdcluster bench --elastic " + shlex.join(argv),
@@ -525,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": report.machine_info(),
         "workload": describe(workload),
         "rate_steps": [asdict(s) for s in steps],
-        "slo_source": bench._slo_source(args, None),
+        "slo_source": slo_source(args),
         "note": NOTE,
         "runs": [],
     }
