@@ -252,13 +252,22 @@ async def sample_instances(
 ) -> None:
     """Append one sample per SAMPLE_INTERVAL_S until cancelled."""
     while True:
-        counts = role_counts(dict(cluster.instances))
+        counts = _live_counts(cluster)
         desired = None
         if with_planner:
             with contextlib.suppress(Exception):  # a busy controller: no desired this time
                 desired = (await asyncio.wait_for(cluster.planner_state(), 1.0))["desired"]
         samples.append(InstanceSample(time.perf_counter() - start, counts, desired))
         await asyncio.sleep(SAMPLE_INTERVAL_S)
+
+
+def _live_counts(cluster: Any) -> dict[str, int]:
+    """`role_counts` of the pool as the gateway sees it; its membership thread may change
+    the map while it is copied: read again then."""
+    for _ in range(10):
+        with contextlib.suppress(RuntimeError):  # "dictionary changed size during iteration"
+            return role_counts(cluster.instances)
+    return role_counts(cluster.instances)
 
 
 async def load_with_samples(
@@ -275,7 +284,9 @@ async def load_with_samples(
         outcome = await run_load(target.url, prepared, limit_s, desc=f"{target.name} run")
     finally:
         sampler.cancel()
-        await asyncio.gather(sampler, return_exceptions=True)
+        (stopped,) = await asyncio.gather(sampler, return_exceptions=True)
+    if not isinstance(stopped, asyncio.CancelledError):
+        raise RuntimeError("the instance sampler stopped early") from stopped
     return outcome, samples
 
 
@@ -397,40 +408,55 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+RATE_BIN_S = 5  # arrivals are counted per bin of this many seconds
+ROLE_STYLES = {"prefill": ("tab:blue", 3.5), "decode": ("tab:orange", 1.5)}  # colour, width
+
+
 def plot(results: dict[str, Any], steps: tuple[RateStep, ...], path: Path) -> bool:
-    """Request rate over time (scheduled, and arrivals per 10 s) above instances per role
-    (elastic run, fixed runs dashed)."""
+    """Request rate over time (scheduled, and arrivals per RATE_BIN_S) above instances per
+    role (the elastic run solid, fixed runs dotted)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    runs = {r["name"]: r for r in results["runs"]}
-    if not runs:
+    if not results["runs"]:
         return False
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    starts = step_starts(steps)
-    top.step(starts, [s.rate_rps for s in steps] + [steps[-1].rate_rps], where="post",
-             label="scheduled rate")  # fmt: skip
-    arrivals = [r["arrival_s"] for r in next(iter(runs.values()))["requests"]]
-    bins = list(range(0, int(starts[-1]) + 10, 10))
-    top.hist(arrivals, bins=bins, weights=[0.1] * len(arrivals), alpha=0.4, label="arrivals / 10 s")
-    top.set(ylabel="req/s")
-    top.legend(fontsize=8)
-    for name, run in runs.items():
-        for role, color in (("prefill", "tab:blue"), ("decode", "tab:orange")):
-            ts = [s["t_s"] for s in run["samples"]]
-            counts = [s["counts"].get(role, 0) for s in run["samples"]]
-            style = "-" if name == "elastic" else ":"
-            bottom.step(ts, counts, where="post", linestyle=style, color=color,
-                        label=f"{name} {role}", alpha=1.0 if name == "elastic" else 0.5)  # fmt: skip
-    bottom.set(xlabel="time since the first request (s)", ylabel="instances")
+    _plot_rate(top, steps, [r["arrival_s"] for r in results["runs"][0]["requests"]])
+    for run in results["runs"]:
+        _plot_instances(bottom, run)
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
+    bottom.set_ylim(bottom=0)
+    bottom.set(xlabel="time since the first request (s)", ylabel="instances in the pool")
     bottom.legend(fontsize=7, ncol=3)
     top.set_title(report._wrap(results["workload"], 100), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _plot_rate(ax: Any, steps: tuple[RateStep, ...], arrivals: list[float]) -> None:
+    starts = step_starts(steps)
+    rates = [s.rate_rps for s in steps]
+    ax.step(starts, [*rates, rates[-1]], where="post", label="scheduled rate")
+    bins = list(range(0, int(starts[-1]) + RATE_BIN_S, RATE_BIN_S))
+    ax.hist(arrivals, bins=bins, weights=[1 / RATE_BIN_S] * len(arrivals), alpha=0.4,
+            label=f"arrivals per {RATE_BIN_S} s")  # fmt: skip
+    ax.set(ylabel="req/s")
+    ax.legend(fontsize=8)
+
+
+def _plot_instances(ax: Any, run: dict[str, Any]) -> None:
+    elastic_run = run["autoscale"] is not None
+    times = [s["t_s"] for s in run["samples"]]
+    for role, (color, width) in ROLE_STYLES.items():
+        counts = [s["counts"].get(role, 0) for s in run["samples"]]
+        ax.step(times, counts, where="post", color=color, linewidth=width,
+                linestyle="-" if elastic_run else ":", alpha=0.8 if elastic_run else 0.4,
+                label=f"{run['name']} {role}")  # fmt: skip
 
 
 def write_all(results: dict[str, Any], steps: tuple[RateStep, ...], out: Path) -> list[Path]:
