@@ -10,6 +10,9 @@ summary.md and PNG plots to --out.
         --token-scale 0.25 --num-requests 60 --rates 0.5,1,2,4 --slo-scale 5,3 --out bench-out
     pdcluster bench --url http://127.0.0.1:8000 --synthetic --rate 2 --prompt-len 256 \\
         --output-len 64 --num-requests 50 --ttft-slo-ms 500 --tpot-slo-ms 100
+
+`pdcluster bench --elastic ...` is the elastic-vs-fixed benchmark (benchmarks/elastic.py,
+`pdcluster bench --elastic --help`).
 """
 
 from __future__ import annotations
@@ -109,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--elastic" in argv:
+        from benchmarks import elastic
+
+        return elastic.main([a for a in argv if a != "--elastic"])
     args = build_parser().parse_args(argv)
     try:
         _check(args)
@@ -198,7 +205,7 @@ def bench_target(
     workload = workload.fit(target.max_model_len)
     print(f"\n== {target.name} ({target.topology or 'remote'}, model {target.model}) ==")
     seeds = iter(range(args.seed * 100_000 + 1, 10**9))  # fresh prompts for every run
-    _sequential(target, [_median_spec(workload, 8)] * NUM_WARMUP, next(seeds))
+    warm_up(target, workload, next(seeds))
     result: dict[str, Any] = {
         "name": target.name,
         "url": target.url,
@@ -273,6 +280,11 @@ def run_rate(
         "summary": summary,
         "requests": [r.to_dict() for r in outcome.results],
     }
+
+
+def warm_up(target: Target, workload: Workload, seed: int) -> None:
+    """A few short requests one after another, before anything is measured."""
+    _sequential(target, [_median_spec(workload, 8)] * NUM_WARMUP, seed)
 
 
 def prepare(specs: tuple[RequestSpec, ...] | list[RequestSpec], model: str, seed: int):
