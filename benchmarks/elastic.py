@@ -38,7 +38,6 @@ import os
 import random
 import shlex
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -49,14 +48,13 @@ import yaml
 
 from benchmarks import report
 from benchmarks.metrics import Slo
-from benchmarks.targets import Target, resolve_config
+from benchmarks.targets import Target, keep_current_cluster_record, resolve_config
 from benchmarks.workload import LengthScaling, Workload, trace_workload
 
 ROLES = ("prefill", "decode")
 STORE_BYTES = 100 * 1024 * 1024  # object store per Ray node
 SAMPLE_INTERVAL_S = 1.0
 GOAL_INSTANCE_SECONDS_RATIO = 0.7  # elastic at most this × the largest pool's instance-seconds
-CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
 
 
 # ---- rate schedule ----------------------------------------------------------------------
@@ -223,28 +221,22 @@ def multinode_ray(num_nodes: dict[str, int]) -> Iterator[str]:
     import ray
     from ray.cluster_utils import Cluster
 
-    # The head records itself as "the current cluster" for address="auto": put back what
-    # was there, so that no later `ray.init()` finds this short-lived cluster.
-    before = CURRENT_CLUSTER.read_bytes() if CURRENT_CLUSTER.is_file() else None
     cluster = None
-    try:
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "include_dashboard": False, "object_store_memory": STORE_BYTES})  # fmt: skip
-        for role, count in num_nodes.items():
-            for _ in range(count):
-                cluster.add_node(num_cpus=1, resources={f"pdcluster_{role}": 1},
-                                 object_store_memory=STORE_BYTES)  # fmt: skip
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, namespace="pdcluster-elastic", log_to_driver=False)
-        yield cluster.address
-    finally:
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        if before is None:
-            CURRENT_CLUSTER.unlink(missing_ok=True)
-        else:
-            CURRENT_CLUSTER.write_bytes(before)
+    with keep_current_cluster_record():
+        try:
+            cluster = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": 0, "include_dashboard": False, "object_store_memory": STORE_BYTES})  # fmt: skip
+            for role, count in num_nodes.items():
+                for _ in range(count):
+                    cluster.add_node(num_cpus=1, resources={f"pdcluster_{role}": 1},
+                                     object_store_memory=STORE_BYTES)  # fmt: skip
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, namespace="pdcluster-elastic", log_to_driver=False)
+            yield cluster.address
+        finally:
+            ray.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
 
 
 async def sample_instances(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -84,6 +85,23 @@ def local_target(config_name: str, model: str | None) -> Iterator[Target]:
             )
     finally:
         cluster.shutdown()
+
+
+RAY_CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+
+
+@contextlib.contextmanager
+def keep_current_cluster_record() -> Iterator[None]:
+    """Restore Ray's record of "the current cluster" on the way out: a short-lived cluster
+    started inside must not be what a later `ray.init()` finds."""
+    before = RAY_CURRENT_CLUSTER.read_bytes() if RAY_CURRENT_CLUSTER.is_file() else None
+    try:
+        yield
+    finally:
+        if before is None:
+            RAY_CURRENT_CLUSTER.unlink(missing_ok=True)
+        else:
+            RAY_CURRENT_CLUSTER.write_bytes(before)
 
 
 def free_port() -> int:

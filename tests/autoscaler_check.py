@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.targets import keep_current_cluster_record
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only local cluster
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ["RAY_FAKE_CLUSTER"] = "1"  # the fake provider refuses to run without it
@@ -36,7 +38,6 @@ os.environ["AUTOSCALER_UPDATE_INTERVAL_S"] = "1"
 STORE_BYTES = 100 * 1024 * 1024  # per node
 IDLE_TIMEOUT_MIN = 0.1  # an idle worker node is removed after 6 s
 NODE_TIMEOUT_S = 120.0
-CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
 FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
 ENGINE = {"block_size": 4, "num_blocks": 64, "max_model_len": 256, "max_num_batched_tokens": 128}
 PROMPTS = [
@@ -235,9 +236,8 @@ def main() -> int:
 
     # A head node records itself as "the current cluster" for `address="auto"`: put back
     # what was there, so that no later `ray.init()` finds this short-lived cluster.
-    before = CURRENT_CLUSTER.read_bytes() if CURRENT_CLUSTER.is_file() else None
     cluster = None
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, keep_current_cluster_record():
         try:
             try:
                 cluster = start_ray_cluster(Path(tmp) / "autoscaling.json")
@@ -251,10 +251,6 @@ def main() -> int:
             if cluster is not None:
                 stop_autoscaler(cluster)
                 cluster.shutdown()
-            if before is None:
-                CURRENT_CLUSTER.unlink(missing_ok=True)
-            else:
-                CURRENT_CLUSTER.write_bytes(before)
     print(json.dumps(result))
     return 0
 

@@ -13,16 +13,15 @@ import argparse
 import json
 import os
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
+
+from benchmarks.targets import keep_current_cluster_record
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only local cluster
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 ROLES = ("encoder", "prefill", "decode")
 STORE_BYTES = 100 * 1024 * 1024  # per node
-CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
 
 
 def start_ray_cluster():
@@ -86,21 +85,15 @@ def main() -> int:
     args = parser.parse_args()
     import ray
 
-    # A head node records itself as "the current cluster" for `address="auto"`: put back
-    # what was there, so that no later `ray.init()` finds this short-lived cluster.
-    before = CURRENT_CLUSTER.read_bytes() if CURRENT_CLUSTER.is_file() else None
     cluster = None
-    try:
-        cluster = start_ray_cluster()
-        result = serve(args.model, cluster.address)
-    finally:
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        if before is None:
-            CURRENT_CLUSTER.unlink(missing_ok=True)
-        else:
-            CURRENT_CLUSTER.write_bytes(before)
+    with keep_current_cluster_record():
+        try:
+            cluster = start_ray_cluster()
+            result = serve(args.model, cluster.address)
+        finally:
+            ray.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
     print(json.dumps(result))
     return 0
 
