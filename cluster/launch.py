@@ -54,6 +54,7 @@ class Cluster:
         controller: ray.actor.ActorHandle,
         owns_ray: bool = False,
         owned: bool = True,
+        embedded_ray: bool = False,
     ) -> None:
         self.config = config
         self.model_dir = model_dir
@@ -66,6 +67,7 @@ class Cluster:
             lambda ttft, tpot: report.remote(self.front.replica_id, ttft, tpot),
         )
         self._owns_ray = owns_ray
+        self._embedded_ray = embedded_ray  # this process started Ray: it all ends with it
         self._owned = owned
         self.tokenizer = Tokenizer(model_dir)
         self.model_info = read_model_info(model_dir)
@@ -161,8 +163,11 @@ class Cluster:
         return await self.controller.planner_state.remote()
 
     def shutdown(self) -> None:
+        """Detach this client; end the pool when it is ours. An embedded Ray ends with every
+        process in it, instances included, so nothing is asked of a cluster that may be
+        going down already (SIGTERM to the process group reaches its raylet too)."""
         self.front.close()
-        if self._owned:
+        if self._owned and not self._embedded_ray:
             with contextlib.suppress(ray.exceptions.RayError):  # a dead one holds nothing
                 ray.get(self.controller.shutdown.remote(), timeout=120)
             ray.kill(self.controller, no_restart=True)
@@ -270,6 +275,7 @@ def launch(
     launched them (a Serve app's replicas come and go)."""
     if not isinstance(config, ClusterConfig):
         config = ClusterConfig.from_yaml(config)
+    embedded_ray = not (ray.is_initialized() or config.ray.address or _address_from_env())
     owns_ray = init_ray(config.ray)
     model = config.model or DEFAULT_MODEL
     model_dir = resolve_model_dir(model)  # the driver tokenizes, so it needs the files too
@@ -292,7 +298,10 @@ def launch(
             ray.kill(controller, no_restart=True)
         raise
     logger.info("pdcluster %s: %d instances (%s)", name, len(members), config.topology_name())
-    return Cluster(config, model_dir, name, controller, owns_ray=owns_ray, owned=pool is None)
+    return Cluster(
+        config, model_dir, name, controller, owns_ray, owned=pool is None,
+        embedded_ray=embedded_ray and owns_ray,
+    )  # fmt: skip
 
 
 def _start_pool(controller: ray.actor.ActorHandle) -> dict[str, str]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 from ray.experimental import internal_kv
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.instance import InstanceActor, InstanceSpec
@@ -54,6 +54,8 @@ class PoolController:
         self._key = f"pdcluster/{namespace}/{pool}/members".encode()
         raw = internal_kv._internal_kv_get(self._key)
         self._members: dict[str, str] = json.loads(raw) if raw else {}
+        self._handles: dict[str, ray.actor.ActorHandle] = {}  # instance id -> its actor
+        self._groups: dict[str, PlacementGroup] = {}  # instance id -> its placement group
         self._next_index: Counter[str] = Counter()
         for iid, role in self._members.items():
             index = int(iid.rsplit("-", 1)[1])
@@ -133,11 +135,11 @@ class PoolController:
         for task in (self._planner_task, self._started):
             if task is not None:
                 task.cancel()
-        handles = [_actor(iid) for iid in self._members]
+        handles = [self._actor(iid) for iid in self._members]
         with contextlib.suppress(ray.exceptions.RayError, asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(h.shutdown.remote() for h in handles if h)), 30)
         for iid in list(self._members):
-            _kill(iid)
+            self._kill(iid)
         self._members = {}
         internal_kv._internal_kv_del(self._key)
 
@@ -156,14 +158,15 @@ class PoolController:
         for _ in range(count):
             iid = f"{self.pool}-{role}-{self._next_index[role]}"
             self._next_index[role] += 1
-            started.append((iid, self._start(role, iid)))
+            handle = self._handles[iid] = self._start(role, iid)
+            started.append((iid, handle))
         try:
             await asyncio.wait_for(
                 asyncio.gather(*(h.health.remote() for _, h in started)), READY_TIMEOUT_S
             )
         except asyncio.TimeoutError:
             for iid, _ in started:
-                _kill(iid)
+                self._kill(iid)
             raise PlacementTimeout(
                 f"no room for {count} more {role} instance(s) within {READY_TIMEOUT_S:.0f} s: "
                 f"each needs {self._bundle(role)}; free now: {_free_resources()} (add nodes, "
@@ -171,7 +174,7 @@ class PoolController:
             ) from None
         except BaseException:
             for iid, _ in started:
-                _kill(iid)
+                self._kill(iid)
             raise
         for iid, _ in started:
             self._members[iid] = role
@@ -185,7 +188,9 @@ class PoolController:
 
     def _start(self, role: str, iid: str) -> ray.actor.ActorHandle:
         spec = self.config.role(role)
-        pg = placement_group([self._bundle(role)], name=iid, lifetime="detached")
+        pg = self._groups[iid] = placement_group(
+            [self._bundle(role)], name=iid, lifetime="detached"
+        )
         instance = InstanceSpec(
             instance_id=iid,
             role=role,
@@ -212,14 +217,14 @@ class PoolController:
 
     async def _remove(self, iid: str) -> None:
         """Drain an instance, then take it out of the pool and end it."""
-        handle = _actor(iid)
+        handle = self._actor(iid)
         if handle is not None:
             with contextlib.suppress(ray.exceptions.RayError):
                 if not await handle.drain.remote(DRAIN_TIMEOUT_S):
                     logger.warning("instance %s did not drain in time; removing it", iid)
         self._members.pop(iid, None)
         self._save()
-        _kill(iid)
+        self._kill(iid)
         logger.info("instance %s left pool %s", iid, self.pool)
 
     # ---- planner -----------------------------------------------------------------------
@@ -253,7 +258,7 @@ class PoolController:
     async def _stats(self) -> list[dict[str, Any]]:
         results = []
         for iid, role in list(self._members.items()):
-            handle = _actor(iid)
+            handle = self._actor(iid)
             try:
                 stats = await asyncio.wait_for(handle.stats.remote(), 5) if handle else {}
                 results.append({**stats, "role": role, "healthy": bool(stats)})
@@ -262,6 +267,24 @@ class PoolController:
         return results
 
     # ---- helpers -----------------------------------------------------------------------
+    def _actor(self, instance_id: str) -> ray.actor.ActorHandle | None:
+        """The instance's handle: the one this controller made it with, else by name (a
+        restarted controller's pool)."""
+        handle = self._handles.get(instance_id)
+        if handle is None:
+            with contextlib.suppress(ValueError):  # gone
+                handle = self._handles[instance_id] = ray.get_actor(instance_id)
+        return handle
+
+    def _kill(self, instance_id: str) -> None:
+        handle = self._actor(instance_id)
+        self._handles.pop(instance_id, None)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+        pg = self._groups.pop(instance_id, None)
+        with contextlib.suppress(ValueError):  # no group by that name
+            remove_placement_group(pg or ray.util.get_placement_group(instance_id))
+
     def _get_lock(self) -> asyncio.Lock:
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -273,21 +296,6 @@ class PoolController:
 
 def _index(instance_id: str) -> int:
     return int(instance_id.rsplit("-", 1)[1])
-
-
-def _actor(instance_id: str) -> ray.actor.ActorHandle | None:
-    try:
-        return ray.get_actor(instance_id)
-    except ValueError:
-        return None
-
-
-def _kill(instance_id: str) -> None:
-    handle = _actor(instance_id)
-    if handle is not None:
-        ray.kill(handle, no_restart=True)
-    with contextlib.suppress(ValueError):  # no group by that name
-        remove_placement_group(ray.util.get_placement_group(instance_id))
 
 
 def _free_resources() -> dict[str, float]:
