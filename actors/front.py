@@ -200,7 +200,7 @@ class Front:
             self.policy.on_prefill_start(
                 plan.prefill_id, request.prompt_token_ids, _images(request)
             )
-            self._decode_started(flight, decode_id)  # D's KV is spoken for from now on
+            self._decode_started(flight, decode_id, cached=False)  # D's KV is spoken for
             route = Route(self.replica_id, ec_handle, decode_id)
             self._handles[plan.prefill_id].submit.remote(request, route)
             return
@@ -209,7 +209,7 @@ class Front:
         self._decode_started(flight, target)
         self._handles[target].submit.remote(request, Route(self.replica_id, ec_handle))
 
-    def _decode_started(self, flight: _Flight, instance_id: str) -> None:
+    def _decode_started(self, flight: _Flight, instance_id: str, cached: bool = True) -> None:
         request = flight.request
         flight.decode_on = instance_id
         self.policy.on_decode_start(
@@ -217,6 +217,7 @@ class Front:
             request.prompt_token_ids,
             max_new_tokens(request, self.config.max_model_len),
             _images(request),
+            cached,
         )
 
     def _prefill_ended(self, flight: _Flight) -> None:
@@ -320,6 +321,8 @@ class Front:
                 flight.sources = set()
                 return [out]
             flight.sources = {plan.decode_id}
+            request = flight.request
+            self.policy.on_prompt_cached(plan.decode_id, request.prompt_token_ids, _images(request))
             batch, flight.early = [out, *flight.early], []
             flight.yielded = True
             return batch

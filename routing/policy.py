@@ -228,12 +228,28 @@ class RouterPolicy:
         own.queued_prefill_tokens -= num_prompt_tokens
 
     def on_decode_start(
-        self, instance_id: str, prompt_token_ids: list[int], max_tokens: int, images: Sequence = ()
+        self,
+        instance_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        images: Sequence = (),
+        cached: bool = True,
     ) -> None:
+        """The request's KV is spoken for on the instance; with `cached`, its prompt is (or
+        is about to be) there too. A D planned for a request still on its P is not yet
+        told of that prompt: see `on_prompt_cached`."""
         load = self.instances[instance_id]
         load.own.num_active += 1
         load.own.kv_tokens += len(prompt_token_ids) + max_tokens
-        self._remember(load, prompt_token_ids, images)
+        if cached:
+            self._remember(load, prompt_token_ids, images)
+
+    def on_prompt_cached(
+        self, instance_id: str, prompt_token_ids: list[int], images: Sequence = ()
+    ) -> None:
+        load = self.instances.get(instance_id)
+        if load is not None:
+            self._remember(load, prompt_token_ids, images)
 
     def on_decode_end(self, instance_id: str, num_tokens: int) -> None:
         own = self._own(instance_id)
