@@ -75,11 +75,12 @@ class _Flight:
 
 
 class Front:
-    """`members`: a callable returning {instance id: role} (polled for joins and leaves)."""
+    """`members`: a callable returning {instance id: role}, or None when it cannot tell
+    (polled for joins and leaves)."""
 
     def __init__(
         self,
-        members: Callable[[], dict[str, str]],
+        members: Callable[[], dict[str, str] | None],
         config: RouterConfig,
         report_latency: Callable[[float | None, float | None], None] | None = None,
     ) -> None:
@@ -414,7 +415,10 @@ class Front:
     def _sync_members(self) -> None:
         self._apply_members(self._members())
 
-    def _apply_members(self, members: dict[str, str]) -> None:
+    def _apply_members(self, members: dict[str, str] | None) -> None:
+        """Start pulling joined instances, drop left ones; None (unknown) changes nothing."""
+        if members is None:
+            return
         for iid, role in members.items():
             if iid not in self._handles:
                 self._handles[iid] = ray.get_actor(iid)

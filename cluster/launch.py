@@ -10,6 +10,7 @@ returns is one gateway replica's client: it plans, submits and reads tokens itse
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -62,7 +63,7 @@ class Cluster:
         self.controller = controller
         members, report = controller.members, controller.report_latency
         self.front = Front(
-            lambda: ray.get(members.remote()),
+            lambda: _answer_or_none(members.remote()),
             _router_config(config),
             lambda ttft, tpot: report.remote(self.front.replica_id, ttft, tpot),
         )
@@ -179,6 +180,20 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _answer_or_none(ref: ray.ObjectRef, timeout_s: float = 10.0) -> Any:
+    """The call's result, or None when it failed or took too long. The error is read off the
+    call's future, never raised: a raised error's traceback would hold the call's ref in a
+    reference cycle, keeping its object alive until the next garbage collection."""
+    future = ref.future()
+    del ref
+    try:
+        failed = future.exception(timeout=timeout_s) is not None
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        return None
+    return None if failed else future.result()
 
 
 def _idle(stats: dict[str, Any]) -> bool:
