@@ -128,9 +128,6 @@ class Front:
             if not finished:
                 self._loop.call_soon_threadsafe(self._abort, rid)
 
-    def abort(self, request_id: str) -> None:
-        self._loop.call_soon_threadsafe(self._abort, request_id)
-
     def handles(self) -> dict[str, tuple[str, ActorHandle]]:
         """The pool as this replica sees it: instance id -> (role, handle)."""
         return {iid: (self.policy.instances[iid].role, h) for iid, h in self._handles.items()}
@@ -429,6 +426,7 @@ class Front:
             self._instance_lost(iid, "left the pool")
             self.policy.remove_instance(iid)
             del self._handles[iid]
+            self._promised.pop(iid, None)
 
     async def _stats(self, timeout_s: float) -> list[dict[str, Any]]:
         ids = list(self._handles)
