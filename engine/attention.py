@@ -6,7 +6,9 @@ one request is contiguous across all layers and moves as a single slice.
 
 A step's tokens are the concatenation, sequence by sequence, of each sequence's new tokens.
 `AttentionMetadata.build` turns the step's bookkeeping into tensors once; every layer then runs
-one vectorized `paged_attention` for the whole batch (prefill chunks and decodes mixed).
+`paged_attention`: all decodes (one new token each) as one batch over their contexts, and each
+prefill chunk alone with its own causal mask, so no query row is padded to another sequence's
+length.
 """
 
 from __future__ import annotations
@@ -35,11 +37,83 @@ def allocate_kv_cache(
 
 
 @dataclass
+class DecodeBatch:
+    """The step's sequences with exactly one new token, attended to as one batch.
+
+    D = number of such sequences, max_blocks = most blocks one of them reads.
+    """
+
+    token_indices: torch.Tensor | None  # [D] long: row in T of each; None = all T rows in order
+    block_tables: torch.Tensor  # [D, max_blocks] long, padded with block 0 (masked out)
+    key_mask: torch.Tensor  # [D, 1, 1, max_blocks * block_size] bool, True = attend
+
+    @classmethod
+    def build(
+        cls,
+        token_indices: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        num_tokens: int,
+        device: torch.device | str,
+    ) -> DecodeBatch:
+        max_blocks = max(-(-n // block_size) for n in seq_lens)
+        padded = [t[:max_blocks] + [0] * (max_blocks - len(t)) for t in block_tables]
+        lens = torch.tensor(seq_lens, dtype=torch.long, device=device)  # [D]
+        k_pos = torch.arange(max_blocks * block_size, device=device)  # [ctx]
+        every_row = len(token_indices) == num_tokens  # rows are ascending: all of T in order
+        return cls(
+            token_indices=None
+            if every_row
+            else torch.tensor(token_indices, dtype=torch.long, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+            key_mask=(k_pos[None, :] < lens[:, None])[:, None, None],  # [D, 1, 1, ctx]
+        )
+
+
+@dataclass
+class PrefillSegment:
+    """One sequence with several new tokens: its rows of T attend causally to its context."""
+
+    token_start: int  # first row in T of its new tokens
+    token_end: int  # one past its last row in T
+    seq_len: int  # tokens in the sequence after this step = keys it reads
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] long
+    attn_mask: torch.Tensor | None  # [q_len, seq_len] bool, True = attend; None: no cached
+    # context, so q_len == seq_len and plain causal attention applies
+
+    @classmethod
+    def build(
+        cls,
+        token_start: int,
+        num_computed: int,
+        num_new: int,
+        block_table: list[int],
+        block_size: int,
+        device: torch.device | str,
+    ) -> PrefillSegment:
+        seq_len = num_computed + num_new
+        mask = None
+        if num_computed:
+            q_pos = num_computed + torch.arange(num_new, device=device)  # [q_len]
+            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+        block_ids = block_table[: -(-seq_len // block_size)]
+        return cls(
+            token_start=token_start,
+            token_end=token_start + num_new,
+            seq_len=seq_len,
+            block_ids=torch.tensor(block_ids, dtype=torch.long, device=device),
+            attn_mask=mask,
+        )
+
+
+@dataclass
 class AttentionMetadata:
     """Everything a layer needs for one step, built once per step.
 
-    B = number of sequences, T = total new tokens, max_q = most new tokens of one sequence,
-    max_blocks = most blocks any sequence reads this step.
+    B = number of sequences, T = total new tokens, max_blocks = most blocks any sequence reads
+    this step. Sequences with one new token form one `DecodeBatch`; each other sequence is a
+    `PrefillSegment` of its own, so no query is padded to another sequence's length.
     """
 
     num_seqs: int
@@ -53,9 +127,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] long, padded with block 0 (masked out)
     slot_block_ids: torch.Tensor  # [T] long: block that receives each new token's K/V
     slot_offsets: torch.Tensor  # [T] long: offset of that token inside its block
-    padded_token_index: torch.Tensor  # [T] long: index of each new token in [B * max_q]
     max_query_len: int
-    attn_mask: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] bool, True = attend
+    decodes: DecodeBatch | None  # the sequences with one new token, if any
+    prefills: list[PrefillSegment]  # the sequences with several new tokens, in T order
 
     @classmethod
     def build(
@@ -84,22 +158,15 @@ class AttentionMetadata:
         query_lens = torch.tensor(num_scheduled_tokens, dtype=torch.long, device=device)  # [B]
         tables = torch.tensor(padded_tables, dtype=torch.long, device=device)  # [B, max_blocks]
         num_tokens = sum(num_scheduled_tokens)
-        max_q = max(num_scheduled_tokens)
 
         query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.long, device=device)
         query_start_loc[1:] = torch.cumsum(query_lens, dim=0)
         seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens)  # [T]
         token_idx = torch.arange(num_tokens, device=device)  # [T]
-        idx_in_seq = token_idx - query_start_loc[seq_ids]  # [T]
-        positions = computed[seq_ids] + idx_in_seq  # [T]
-
-        q_pos = computed[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, max_q]
-        k_pos = torch.arange(max_blocks * block_size, device=device)  # [max_ctx]
-        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_ctx]
-        # Padded query rows attend to key 0 only: never an all-False row (NaN), output dropped.
-        is_pad_row = torch.arange(max_q, device=device)[None, :] >= query_lens[:, None]
-        mask = torch.where(is_pad_row[:, :, None], k_pos[None, None, :] == 0, mask)
-
+        positions = computed[seq_ids] + token_idx - query_start_loc[seq_ids]  # [T]
+        decodes, prefills = _split_decodes_and_prefills(
+            num_computed_tokens, num_scheduled_tokens, block_tables, block_size, device
+        )
         return cls(
             num_seqs=num_seqs,
             num_tokens=num_tokens,
@@ -112,10 +179,41 @@ class AttentionMetadata:
             block_tables=tables,
             slot_block_ids=tables[seq_ids, positions // block_size],
             slot_offsets=positions % block_size,
-            padded_token_index=seq_ids * max_q + idx_in_seq,
-            max_query_len=max_q,
-            attn_mask=mask[:, None],  # [B, 1, max_q, max_ctx]
+            max_query_len=max(num_scheduled_tokens),
+            decodes=decodes,
+            prefills=prefills,
         )
+
+
+def _split_decodes_and_prefills(
+    num_computed_tokens: list[int],
+    num_scheduled_tokens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str,
+) -> tuple[DecodeBatch | None, list[PrefillSegment]]:
+    """One `DecodeBatch` of the one-new-token sequences, one `PrefillSegment` per other one."""
+    decode_rows, decode_lens, decode_tables = [], [], []
+    prefills: list[PrefillSegment] = []
+    token_start = 0
+    for computed, new, table in zip(
+        num_computed_tokens, num_scheduled_tokens, block_tables, strict=True
+    ):
+        if new == 1:
+            decode_rows.append(token_start)
+            decode_lens.append(computed + 1)
+            decode_tables.append(table)
+        else:
+            prefills.append(
+                PrefillSegment.build(token_start, computed, new, table, block_size, device)
+            )
+        token_start += new
+    decodes = None
+    if decode_rows:
+        decodes = DecodeBatch.build(
+            decode_rows, decode_lens, decode_tables, block_size, token_start, device
+        )
+    return decodes, prefills
 
 
 def write_kv(
@@ -128,6 +226,57 @@ def write_kv(
     """Store the new tokens' K/V ([T, kv_heads, head_dim]) in their slots of this layer."""
     kv = torch.stack((k, v), dim=1).to(kv_cache.dtype)  # [T, 2, kv_heads, head_dim]
     kv_cache[meta.slot_block_ids, layer_idx, :, meta.slot_offsets] = kv
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, layer_idx: int, block_tables: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """K/V of this layer for each row of `block_tables` ([N, max_blocks]), keys in order.
+
+    Returns [2, N, kv_heads, max_blocks * block_size, head_dim]. One gather of whole blocks
+    along dim 0 (much cheaper than advanced indexing of the strided 6-D view), then a single
+    permute copy.
+    """
+    num_rows = block_tables.shape[0]
+    layer_kv = kv_cache.select(1, layer_idx).index_select(0, block_tables.view(-1))
+    layer_kv = layer_kv.view(num_rows, -1, *layer_kv.shape[1:])  # [N, max_blocks, 2, bs, kvh, hd]
+    layer_kv = layer_kv.to(dtype).permute(2, 0, 4, 1, 3, 5)  # [2, N, kvh, max_blocks, bs, hd]
+    num_kv_heads, head_dim = layer_kv.shape[2], layer_kv.shape[-1]
+    return layer_kv.reshape(2, num_rows, num_kv_heads, -1, head_dim)  # [2, N, kvh, ctx, hd]
+
+
+def decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer_idx: int, decodes: DecodeBatch, scale: float
+) -> torch.Tensor:
+    """q: [D, H, hd], one query per sequence, over its whole context. Returns [D, H, hd]."""
+    layer_kv = gather_kv(kv_cache, layer_idx, decodes.block_tables, q.dtype)  # [2, D, kvh, ctx, hd]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None],  # [D, H, 1, hd]
+        layer_kv[0],
+        layer_kv[1],
+        attn_mask=decodes.key_mask,  # [D, 1, 1, ctx]
+        scale=scale,
+        enable_gqa=q.shape[1] != layer_kv.shape[2],
+    )  # [D, H, 1, hd]
+    return out[:, :, 0]  # [D, H, hd]
+
+
+def prefill_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer_idx: int, seg: PrefillSegment, scale: float
+) -> torch.Tensor:
+    """q: [q_len, H, hd], the segment's new tokens, causal over its context. Returns the same."""
+    layer_kv = gather_kv(kv_cache, layer_idx, seg.block_ids[None], q.dtype)  # [2, 1, kvh, ctx, hd]
+    layer_kv = layer_kv[:, :, :, : seg.seq_len]  # [2, 1, kvh, seq_len, hd]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, H, q_len, hd]
+        layer_kv[0],
+        layer_kv[1],
+        attn_mask=seg.attn_mask,  # [q_len, seq_len] or None
+        is_causal=seg.attn_mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != layer_kv.shape[2],
+    )  # [1, H, q_len, hd]
+    return out[0].transpose(0, 1)  # [q_len, H, hd]
 
 
 def paged_attention(
@@ -144,35 +293,17 @@ def paged_attention(
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns [T, num_heads,
     head_dim]. K/V of the new tokens are written to the cache first, then read back with the
     context through the block tables, so prefix hits, chunks and decodes share one path.
+    Decodes run as one batch; each prefill chunk runs alone over its own context.
     """
     write_kv(k, v, kv_cache, layer_idx, meta)
-    num_seqs, max_q = meta.num_seqs, meta.max_query_len
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
-
-    # One gather of this layer's blocks along dim 0 (much cheaper than advanced indexing of
-    # the strided 6-D view), then a single permute copy into [2, B, kvh, ctx, hd].
-    flat_tables = meta.block_tables.view(-1)  # [B * max_blocks]
-    layer_kv = kv_cache.select(1, layer_idx).index_select(0, flat_tables)
-    layer_kv = layer_kv.view(num_seqs, -1, *layer_kv.shape[1:])  # [B, max_blocks, 2, bs, kvh, hd]
-    layer_kv = layer_kv.to(q.dtype).permute(2, 0, 4, 1, 3, 5)  # [2, B, kvh, max_blocks, bs, hd]
-    layer_kv = layer_kv.reshape(2, num_seqs, num_kv_heads, -1, head_dim)  # [2, B, kvh, ctx, hd]
-
-    decode_only = max_q == 1  # every sequence has exactly one new token: no padding needed
-    if decode_only:
-        q_padded = q.reshape(num_seqs, 1, num_heads, head_dim).transpose(1, 2)  # [B, H, 1, hd]
-    else:
-        q_padded = q.new_zeros(num_seqs * max_q, num_heads, head_dim)  # [B * max_q, H, hd]
-        q_padded[meta.padded_token_index] = q
-        q_padded = q_padded.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
-
-    out = F.scaled_dot_product_attention(
-        q_padded,  # [B, H, max_q, hd]
-        layer_kv[0],
-        layer_kv[1],
-        attn_mask=meta.attn_mask,  # [B, 1, max_q, ctx]
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )  # [B, H, max_q, hd]
-    out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
-    return out if decode_only else out[meta.padded_token_index]  # [T, H, hd]
+    decodes = meta.decodes
+    if decodes is not None and decodes.token_indices is None:  # decode-only step
+        return decode_attention(q, kv_cache, layer_idx, decodes, scale)  # [T, H, hd]
+    out = torch.empty_like(q)  # [T, H, hd]
+    if decodes is not None:
+        rows = decodes.token_indices  # [D]
+        out[rows] = decode_attention(q[rows], kv_cache, layer_idx, decodes, scale)
+    for seg in meta.prefills:
+        rows = slice(seg.token_start, seg.token_end)
+        out[rows] = prefill_attention(q[rows], kv_cache, layer_idx, seg, scale)
+    return out  # [T, H, hd]

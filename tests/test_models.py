@@ -216,7 +216,10 @@ def test_metadata_positions_slots_and_logits_indices():
     assert meta.slot_block_ids.tolist() == [2, 2, 2, 4]
     assert meta.slot_offsets.tolist() == [1, 2, 3, 1]
     assert meta.seq_lens.tolist() == [8, 10]
-    assert meta.attn_mask.shape == (2, 1, 3, 12)
+    # Queries are not padded: the prefill chunk masks [3 new, 8 keys], the decode only keys.
+    assert [seg.attn_mask.shape for seg in meta.prefills] == [(3, 8)]
+    assert meta.decodes.token_indices.tolist() == [3]
+    assert meta.decodes.key_mask.shape == (1, 1, 1, 12)
 
 
 def test_model_info_and_legacy_rope_config(tmp_path):

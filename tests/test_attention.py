@@ -1,0 +1,104 @@
+"""paged_attention against a plain per-sequence SDPA on dense K/V (no Ray, no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, paged_attention
+
+BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 6, 2, 8, 64
+
+# (num_computed_tokens, num_new_tokens) per sequence.
+MIXED = [(0, 7), (5, 1), (13, 9), (20, 1), (0, 1), (3, 2), (9, 1), (0, 16)]
+BATCHES = {
+    "mixed": MIXED,
+    "decode_only": [(c, 1) for c in (0, 4, 11, 30)],
+    "prefill_only": [(0, 5), (6, 10)],
+}
+
+
+def make_tables(seqs: list[tuple[int, int]], gen: torch.Generator) -> list[list[int]]:
+    """Disjoint shuffled block tables, one spare block each so tables are not all tight."""
+    ids = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    tables = []
+    for computed, new in seqs:
+        n = -(-(computed + new) // BLOCK_SIZE) + 1
+        tables.append(ids[:n])
+        ids = ids[n:]
+    return tables
+
+
+def write_dense(kv_cache: torch.Tensor, table: list[int], k: torch.Tensor, v: torch.Tensor):
+    """Put a sequence's cached K/V ([n, kvh, hd]) into layer 0 through its block table."""
+    for pos in range(k.shape[0]):
+        block, offset = table[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+        kv_cache[block, 0, 0, offset], kv_cache[block, 0, 1, offset] = k[pos], v[pos]
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, computed: int) -> torch.Tensor:
+    """q: [new, H, hd]; k, v: [seq_len, kvh, hd]. Causal, queries at the sequence's end."""
+    new, seq_len = q.shape[0], k.shape[0]
+    group = NUM_HEADS // NUM_KV_HEADS
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, seq_len, hd]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, seq_len, hd]
+    q_pos = computed + torch.arange(new)  # [new]
+    mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [new, seq_len]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
+    return out.transpose(0, 1)  # [new, H, hd]
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_paged_attention_matches_dense_per_sequence(name):
+    seqs = BATCHES[name]
+    gen = torch.Generator().manual_seed(0)
+    # Unwritten slots hold noise (finite), so anything read past a sequence's end shows.
+    kv_cache = torch.randn(NUM_BLOCKS, 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    tables = make_tables(seqs, gen)
+    qs, ks, vs, new_ks, new_vs, want = [], [], [], [], [], []
+    for (computed, new), table in zip(seqs, tables):
+        k = torch.randn(computed + new, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        v = torch.randn(computed + new, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        q = torch.randn(new, NUM_HEADS, HEAD_DIM, generator=gen)
+        write_dense(kv_cache, table, k[:computed], v[:computed])
+        qs.append(q), ks.append(k), vs.append(v)
+        new_ks.append(k[computed:]), new_vs.append(v[computed:])
+        want.append(reference(q, k, v, computed))
+
+    meta = AttentionMetadata.build(
+        [c for c, _ in seqs], [n for _, n in seqs], tables, BLOCK_SIZE, "cpu"
+    )
+    got = paged_attention(
+        torch.cat(qs), torch.cat(new_ks), torch.cat(new_vs), kv_cache, 0, meta, HEAD_DIM**-0.5
+    )  # [T, H, hd]
+
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+    for (computed, new), table, k in zip(seqs, tables, ks):  # new K landed in its slots
+        last = computed + new - 1
+        torch.testing.assert_close(
+            kv_cache[table[last // BLOCK_SIZE], 0, 0, last % BLOCK_SIZE], k[last]
+        )
+
+
+def test_metadata_splits_decodes_from_prefill_segments():
+    meta = AttentionMetadata.build(
+        [c for c, _ in MIXED],
+        [n for _, n in MIXED],
+        make_tables(MIXED, torch.Generator().manual_seed(0)),
+        BLOCK_SIZE,
+        "cpu",
+    )
+    # Rows in T: 0-6 | 7 | 8-16 | 17 | 18 | 19-20 | 21 | 22-37.
+    assert meta.decodes.token_indices.tolist() == [7, 17, 18, 21]
+    assert meta.decodes.key_mask[:, 0, 0].sum(-1).tolist() == [6, 21, 1, 10]
+    bounds = [(s.token_start, s.token_end, s.seq_len) for s in meta.prefills]
+    assert bounds == [(0, 7, 7), (8, 17, 22), (19, 21, 5), (22, 38, 16)]
+    # A chunk with no cached context is plain causal; one after a prefix hit gets a mask.
+    assert [s.attn_mask is None for s in meta.prefills] == [True, False, False, True]
+    assert meta.prefills[1].attn_mask.shape == (9, 22)
+
+
+def test_decode_only_step_has_no_row_indices():
+    meta = AttentionMetadata.build([3, 8], [1, 1], [[1], [2, 3, 4]], BLOCK_SIZE, "cpu")
+    assert meta.decodes.token_indices is None and meta.prefills == []
