@@ -167,6 +167,22 @@ def test_burst_sharing_a_prefix_hits_blocks_scheduled_in_the_same_step():
     assert_idle(s)
 
 
+def test_abort_of_a_request_whose_blocks_others_hit_in_its_step_keeps_them_for_those():
+    s = make_scheduler()
+    shared = [500 + j for j in range(12)]
+    a, b = add_all(
+        s, [make_requests(1, prompt_token_ids=[*shared, 900 + i], start=i)[0] for i in range(2)]
+    )
+    so, first = step(s)
+    assert so.scheduled_new_reqs[1].num_computed_tokens == 12
+    s.finish_requests("req0", ABORTED)
+    shared_blocks = s.kv_cache_manager.req_to_blocks["req1"][:3]
+    assert [blk.ref_cnt for blk in shared_blocks] == [1, 1, 1]
+    outputs = run_until_done(s)
+    assert output_tokens([first[1], *outputs["req1"]]) == [DEFAULT_TOKEN] * 4
+    assert_idle(s)
+
+
 def test_running_chunk_publishes_its_blocks_to_requests_admitted_after_it():
     s = make_scheduler(max_num_batched_tokens=24)
     (a,) = add_all(s, make_requests(1, 40, max_tokens=1))
