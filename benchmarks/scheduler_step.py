@@ -5,6 +5,13 @@ Runner outputs are built by hand between the timed calls. Default workload: 256 
 budget, 256 sequences; prefix caching on and off.
 
     python -m benchmarks.scheduler_step [--prefix-caching {on,off,both}]
+
+`--shared-prefix-len N` counts admissions instead of timing steps: every request's prompt is
+the same N tokens then `--unique-len` tokens of its own, all arriving together. It prints how
+many requests the first step admits, how many of them hit the prefix cache, and the prompt
+tokens computed (not taken from the cache) until every prompt is prefilled.
+
+    python -m benchmarks.scheduler_step --num-requests 128 --shared-prefix-len 384 --unique-len 8
 """
 
 from __future__ import annotations
@@ -32,8 +39,8 @@ def fake_runner_output(scheduler: Scheduler, so: SchedulerOutput, token_id: int)
     return RunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled)
 
 
-def run(args: argparse.Namespace, prefix_caching: bool) -> dict[str, float]:
-    scheduler = Scheduler(
+def make_scheduler(args: argparse.Namespace, prefix_caching: bool) -> Scheduler:
+    return Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=args.budget,
             max_num_seqs=args.max_num_seqs,
@@ -42,6 +49,10 @@ def run(args: argparse.Namespace, prefix_caching: bool) -> dict[str, float]:
         ),
         CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
     )
+
+
+def run(args: argparse.Namespace, prefix_caching: bool) -> dict[str, float]:
+    scheduler = make_scheduler(args, prefix_caching)
     rng = random.Random(0)
     for i in range(args.num_requests):
         prompt = [rng.randrange(3, 32000) for _ in range(args.prompt_len)]
@@ -79,6 +90,36 @@ def run(args: argparse.Namespace, prefix_caching: bool) -> dict[str, float]:
     }
 
 
+def run_shared_prefix(args: argparse.Namespace) -> dict[str, int]:
+    """Admission of a burst sharing one prefix: first-step admissions and prompt tokens
+    computed until every prompt is prefilled."""
+    scheduler = make_scheduler(args, prefix_caching=True)
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 32000) for _ in range(args.shared_prefix_len)]
+    requests = []
+    for i in range(args.num_requests):
+        prompt = prefix + [rng.randrange(3, 32000) for _ in range(args.unique_len)]
+        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+        requests.append(Request(f"r{i}", prompt, params, eos_token_ids=(2,)))
+        scheduler.add_request(requests[-1])
+    first: dict[str, int] = {}
+    num_steps = num_prompt_tokens = 0
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in requests):
+        so = scheduler.schedule()
+        for rid, n in so.num_scheduled_tokens.items():
+            r = scheduler.requests[rid]
+            num_prompt_tokens += max(0, min(n, r.num_prompt_tokens - (r.num_computed_tokens - n)))
+        if not num_steps:
+            first = {
+                "admitted": len(so.scheduled_new_reqs),
+                "hits": sum(1 for n in so.scheduled_new_reqs if n.num_computed_tokens),
+                "tokens": so.total_num_scheduled_tokens,
+            }
+        scheduler.update_from_output(so, fake_runner_output(scheduler, so, token_id=5))
+        num_steps += 1
+    return {**first, "steps": num_steps, "prompt_tokens": num_prompt_tokens}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prefix-caching", choices=["on", "off", "both"], default="both")
@@ -95,7 +136,18 @@ def main() -> None:
         action="store_false",
         help="keep long-lived objects in GC scans (shows gen-2 collection pauses in p99)",
     )
+    p.add_argument("--shared-prefix-len", type=int, default=0)
+    p.add_argument("--unique-len", type=int, default=8)
     args = p.parse_args()
+    if args.shared_prefix_len:
+        r = run_shared_prefix(args)
+        print(
+            f"{args.num_requests} requests, {args.shared_prefix_len} shared + {args.unique_len} "
+            f"unique prompt tokens, budget {args.budget}: first step admits {r['admitted']} "
+            f"({r['hits']} with a prefix hit, {r['tokens']} tokens); {r['prompt_tokens']} "
+            f"prompt tokens computed in {r['steps']} steps until all are prefilled"
+        )
+        return
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.prefix_caching]
     for prefix_caching in modes:
         r = run(args, prefix_caching)

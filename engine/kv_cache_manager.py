@@ -6,9 +6,10 @@ image never hit. Hashes are 128-bit BLAKE2b digests, so a crafted prompt cannot 
 another user's prefix. They are computed once per block, as blocks fill, and kept in
 `Request.block_hashes` (they survive preemption: token ids never change).
 
-A block is published to the prefix cache only after the step that wrote its KV has run
-(`cache_blocks`, called from `update_from_output`), so no request reads KV that is not
-there yet.
+A block is published to the prefix cache (`cache_blocks`) as soon as the scheduler schedules
+the tokens that fill it, so a request admitted later in the same step hits it: that step's
+forward pass writes its KV before reading any (see `engine.scheduler`). Only full blocks are
+published, each under the hash of its known token ids.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ class KVCacheManager:
         return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Publish the request's blocks that the first num_computed_tokens fill."""
+        """Publish the request's blocks that the first num_computed_tokens fill (or fill in
+        the step being scheduled)."""
         if not self.enable_caching:
             return
         rid = request.request_id

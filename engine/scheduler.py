@@ -11,6 +11,14 @@ start, and may land, before the step's batch is chosen.
 Each step a request's `num_computed_tokens` advances by its scheduled tokens when it is
 scheduled; `update_from_output` appends sampled tokens and checks stop conditions.
 
+Prefix blocks are published when scheduled: the full blocks a request's scheduled tokens
+cover enter the prefix cache at once, so a request admitted later in the same step hits them.
+That is safe because a step is one forward pass and every attention layer writes all the
+step's new K/V before it reads any block (`engine.attention.paged_attention`): a hit on a block
+computed this step reads K/V written earlier in the same layer call. A failed step leaves them
+published; the engine core's `fail_all` forgets every prefix. Blocks whose KV the connector
+loads are published only once it landed: after the load (async) or after the step (sync).
+
 Runner protocol: a request is sent once in full (`scheduled_new_reqs`), then as deltas
 (`scheduled_cached_reqs`; `new_block_ids` None when no block was added). A preempted request
 keeps its runner-side state (token ids) and comes back with `resumed_from_preemption` and its
@@ -67,6 +75,7 @@ class Scheduler:
         self._remote_loads: dict[str, int] = {}
         self._aborted_recving: set[str] = set()  # finished, blocks held until the load lands
         self._no_remote_kv: set[str] = set()  # loaded or failed once: never ask again
+        self._publish_after_step: list[str] = []  # admitted with a synchronous remote load
         # KV producer: finished, blocks held until `finished_sending`.
         self._pending_sends: set[str] = set()
         self.num_preemptions = 0  # since start, across all requests
@@ -152,6 +161,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cfg = self.scheduler_config
         st = StepState(cfg.max_num_batched_tokens, cfg.encoder_compute_budget)
+        self._publish_after_step = []  # a step that raised never reached update_from_output
         self._schedule_running(st)
         if not st.preempted_req_ids:
             self._schedule_waiting(st)
@@ -195,7 +205,9 @@ class Scheduler:
 
     def _schedule_running(self, st: StepState) -> None:
         running = self.running
-        allocate = self.kv_cache_manager.allocate_slots
+        kv = self.kv_cache_manager
+        allocate = kv.allocate_slots
+        block_size = kv.block_size if kv.enable_caching else 0
         cached = st.cached_reqs
         num_scheduled = st.num_scheduled_tokens
         budget = st.token_budget
@@ -226,6 +238,8 @@ class Scheduler:
             cached.num_computed_tokens.append(num_computed)
             num_scheduled[rid] = num_new
             request.num_computed_tokens = num_computed + num_new
+            if block_size and (num_computed + num_new) // block_size != num_computed // block_size:
+                kv.cache_blocks(request, num_computed + num_new)  # a block fills this step
             budget -= num_new
         st.total_num_scheduled_tokens += st.token_budget - budget
         st.token_budget = budget
@@ -361,6 +375,10 @@ class Scheduler:
         if self.kv_connector is not None and request.request_id not in self._no_remote_kv:
             block_ids = kv.get_block_ids(request.request_id)
             self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
+        if num_external:  # loaded while the step runs: publish once it ran
+            self._publish_after_step.append(request.request_id)
+        else:
+            kv.cache_blocks(request, start + num_new)
         request.num_computed_tokens = start
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = start
@@ -419,18 +437,15 @@ class Scheduler:
         index_of = runner_output.req_id_to_index
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
-        kv = self.kv_cache_manager
-        block_size = kv.block_size if kv.enable_caching else 0
         requests = self.requests
         running_status = RequestStatus.RUNNING
         num_stopped = 0
-        for rid, num_new in scheduler_output.num_scheduled_tokens.items():
+        if self._publish_after_step:
+            self._publish_loaded_blocks(scheduler_output)
+        for rid in scheduler_output.num_scheduled_tokens:
             request = requests.get(rid)
             if request is None or request.status != running_status:
                 continue  # finished or preempted since it was scheduled
-            n = request.num_computed_tokens
-            if block_size and n // block_size != (n - num_new) // block_size:
-                kv.cache_blocks(request, n)  # a block filled up this step
             if request.mm_features:
                 free_consumed_encoder_inputs(request, self.encoder_cache_manager)
             i = index_of.get(rid)
@@ -445,6 +460,16 @@ class Scheduler:
         if runner_output.kv_connector_output is not None:
             outputs.extend(self._update_from_kv_output(runner_output.kv_connector_output))
         return outputs
+
+    def _publish_loaded_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Publish the blocks of requests admitted with a synchronous remote load, which
+        the step that just ran filled (the loaded tokens and the ones computed after them)."""
+        ran = scheduler_output.num_scheduled_tokens
+        for rid in self._publish_after_step:
+            request = self.requests.get(rid)
+            if rid in ran and request is not None and request.status == RequestStatus.RUNNING:
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        self._publish_after_step = []
 
     def _append_tokens(
         self, request: Request, token_ids: list[int], logprobs: list[float] | None

@@ -1,4 +1,5 @@
-"""EngineCore behaviour beyond token equality: what a failed step leaves behind."""
+"""EngineCore behaviour beyond token equality: what a failed step leaves behind, and prefix
+blocks shared within the step that computes them."""
 
 from __future__ import annotations
 
@@ -37,3 +38,19 @@ def test_a_failed_step_fails_every_request_and_forgets_cached_prefixes(preset_di
     stats = core.stats()
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
     assert not core.has_work()
+
+
+# 2048: one step, all read the 8 blocks the first one writes in it. 24: the first is chunked
+# (24 + 11 tokens); the others come with its second chunk and read blocks 6-7 as it writes them.
+@pytest.mark.parametrize("budget", [2048, 24])
+def test_a_burst_sharing_a_prefix_matches_an_engine_without_prefix_caching(preset_dir, budget):
+    path = preset_dir("tiny-llama")
+    shared = list(range(5, 37))  # 8 blocks of 4
+    prompts = [[*shared, *tail] for tail in ([40, 41, 42], [43] * 9, [44], [45] * 5)]
+    args = {"block_size": 4, "max_num_batched_tokens": budget}
+    outs = LLM(path, **args).generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    ref = LLM(path, enable_prefix_caching=False, **args).generate(
+        [{"prompt_token_ids": p} for p in prompts], PARAMS
+    )
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]

@@ -147,6 +147,74 @@ def test_prefix_cache_includes_generated_tokens():
     assert_idle(s)
 
 
+def test_burst_sharing_a_prefix_hits_blocks_scheduled_in_the_same_step():
+    s = make_scheduler(max_num_batched_tokens=64)
+    shared = [500 + j for j in range(20)]  # 5 full blocks
+    requests = [
+        make_requests(1, prompt_token_ids=[*shared, 900 + i, 950 + i], start=i)[0] for i in range(8)
+    ]
+    add_all(s, requests)
+    so, _ = step(s)
+    # All eight fit in the first step: the first computes 22 tokens, the rest only their
+    # own 2, reading the 5 shared blocks the first one writes in this very step.
+    assert [n.num_computed_tokens for n in so.scheduled_new_reqs] == [0] + [20] * 7
+    assert so.num_scheduled_tokens == {"req0": 22, **{f"req{i}": 2 for i in range(1, 8)}}
+    first_blocks = s.kv_cache_manager.get_block_ids("req0")[:5]
+    for new_req in so.scheduled_new_reqs[1:]:
+        assert new_req.block_ids[:5] == first_blocks
+    outputs = run_until_done(s)
+    assert [outputs[r.request_id][0].num_cached_tokens for r in requests] == [0] + [20] * 7
+    assert_idle(s)
+
+
+def test_abort_of_a_request_whose_blocks_others_hit_in_its_step_keeps_them_for_those():
+    s = make_scheduler()
+    shared = [500 + j for j in range(12)]
+    a, b = add_all(
+        s, [make_requests(1, prompt_token_ids=[*shared, 900 + i], start=i)[0] for i in range(2)]
+    )
+    so, first = step(s)
+    assert so.scheduled_new_reqs[1].num_computed_tokens == 12
+    s.finish_requests("req0", ABORTED)
+    shared_blocks = s.kv_cache_manager.req_to_blocks["req1"][:3]
+    assert [blk.ref_cnt for blk in shared_blocks] == [1, 1, 1]
+    outputs = run_until_done(s)
+    assert output_tokens([first[1], *outputs["req1"]]) == [DEFAULT_TOKEN] * 4
+    assert_idle(s)
+
+
+def test_running_chunk_publishes_its_blocks_to_requests_admitted_after_it():
+    s = make_scheduler(max_num_batched_tokens=24)
+    (a,) = add_all(s, make_requests(1, 40, max_tokens=1))
+    (b,) = add_all(s, make_requests(1, prompt_token_ids=a.prompt_token_ids, id_prefix="b"))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"req0": 24}
+    so, _ = step(s)
+    # req0's second chunk fills blocks 6..9 this step; b0 hits 9 of them (not the last
+    # token's block), 3 of which are written by the same forward pass.
+    assert so.num_scheduled_tokens == {"req0": 16, "b0": 4}
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 36
+    run_until_done(s)
+    assert_idle(s)
+
+
+@pytest.mark.parametrize("load_async", [True, False])
+def test_remote_loaded_blocks_are_not_shared_before_the_load_landed(load_async):
+    kv = FakeKVConnector({"req0": 8}, load_async=load_async)
+    s = make_scheduler(kv_connector=kv)
+    (a,) = add_all(s, make_requests(1, 13, max_tokens=1))
+    (b,) = add_all(s, make_requests(1, prompt_token_ids=a.prompt_token_ids, id_prefix="b"))
+    so, _ = step(s)
+    assert {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}["b0"] == 0
+    if load_async:
+        step(s, kv_connector_output=KVConnectorOutput(finished_recving={"req0"}))
+    (c,) = add_all(s, make_requests(1, prompt_token_ids=a.prompt_token_ids, id_prefix="c"))
+    so, _ = step(s)
+    assert {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}["c0"] == 12
+    run_until_done(s)
+    assert_idle(s)
+
+
 def test_image_hash_prevents_false_prefix_hit():
     s = make_scheduler()
     prompt = [11, 12, 13, 14] + [99] * 8 + [15, 16, 17, 18, 19]
