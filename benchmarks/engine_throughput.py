@@ -8,9 +8,14 @@ side is warmed up once on a small run before timing. A second pass with one outp
 compares prefill alone. Each timed phase uses fresh prompt tokens (same lengths), so our
 prefix cache never hits across phases.
 
+The decode step (derived from the two passes) is set against its memory floor: the bytes of
+the weights, which every step reads once, over the read bandwidth of one thread measured here
+(a sum over a 1 GiB tensor). Torch runs on --threads threads (1: what an instance actor gets).
+
     python -m benchmarks.engine_throughput [--preset small-llama | --model MODEL]
         [--num-prompts 16] [--prompt-len 128] [--output-len 64] [--batch-size N]
         [--repeats 3] [--max-num-seqs N] [--max-num-batched-tokens N] [--no-prefill]
+        [--threads 1]
 """
 
 from __future__ import annotations
@@ -174,6 +179,23 @@ def measure(
     )
 
 
+# ---- the memory floor of a decode step ----------------------------------------------------
+def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Bytes/s one thread reads: best of `repeats` sums over a `num_bytes` float32 tensor."""
+    x = torch.ones(num_bytes // 4)  # touched: no page faults while timed
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        seconds.append(time.perf_counter() - t0)
+    return num_bytes / min(seconds)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct parameter tensors (a tied lm_head counts once)."""
+    return sum({p.data_ptr(): p.nbytes for p in model.parameters()}.values())
+
+
 def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
     if args.model:
         return Path(resolve_model_dir(args.model)), args.model
@@ -230,7 +252,9 @@ def print_generate(pair: Pair, w: Workload, output_len: int) -> None:
     print(f"  greedy outputs identical: {pair.num_identical}/{pair.num_compared}")
 
 
-def print_prefill(gen: Pair, prefill: Pair, w: Workload, output_len: int) -> None:
+def print_prefill(
+    gen: Pair, prefill: Pair, w: Workload, output_len: int, floor_ms: float | None
+) -> None:
     ours, hf = prefill.ours.seconds, prefill.hf.seconds
     print("\nprefill only (1 new token):")
     print(f"  ours          {ours:7.3f} s  {w.num_prompt_tokens / ours:8.1f} prompt tok/s")
@@ -244,6 +268,23 @@ def print_prefill(gen: Pair, prefill: Pair, w: Workload, output_len: int) -> Non
             f"  derived decode step (generate - prefill) / {steps}: ours {ours_ms:.1f} ms, "
             f"transformers {hf_ms:.1f} ms, speedup {hf_ms / ours_ms:.2f}x"
         )
+        if floor_ms is not None:
+            print(
+                f"  decode step at {len(w.prompt_lens)} sequences vs the memory floor "
+                f"{floor_ms:.1f} ms: ours {ours_ms / floor_ms:.2f}x floor, transformers "
+                f"{hf_ms / floor_ms:.2f}x floor"
+            )
+
+
+def print_floor(model: torch.nn.Module) -> float:
+    """Print and return the memory floor of a decode step, in ms."""
+    num_bytes, bandwidth = weight_bytes(model), read_bandwidth()
+    floor_ms = num_bytes / bandwidth * 1e3
+    print(
+        f"memory floor of a decode step: {num_bytes / 1e6:.0f} MB of weights / "
+        f"{bandwidth / 1e9:.2f} GB/s read bandwidth (1 thread, 1 GiB sum) = {floor_ms:.1f} ms"
+    )
+    return floor_ms
 
 
 def parse_args() -> argparse.Namespace:
@@ -265,11 +306,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=0, help="ours (0: enough for all)")
     p.add_argument("--prefix-caching", choices=["on", "off"], default="on", help="ours")
     p.add_argument("--no-prefill", dest="prefill", action="store_false", help="skip 1-token pass")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir, label = resolve_model(args)
     hf_model = load_hf(model_dir)
     lens = prompt_lengths(args.num_prompts, args.prompt_len, args.seed)
@@ -278,6 +322,7 @@ def main() -> None:
     llm = build_llm(model_dir, args, workload)
     batch_size = args.batch_size or args.num_prompts
     print_config(args, label, model_dir, hf_model, llm, workload)
+    floor_ms = print_floor(hf_model) if args.prefill else None
 
     def ours(prompts: list[list[int]], n: int) -> Timing:
         return run_ours(llm, prompts, n)
@@ -292,7 +337,7 @@ def main() -> None:
     print_generate(gen, workload, args.output_len)
     if args.prefill:
         prefill = measure(ours, hf, workload, args.seed + 2, 1, args.repeats)
-        print_prefill(gen, prefill, workload, args.output_len)
+        print_prefill(gen, prefill, workload, args.output_len, floor_ms)
 
 
 if __name__ == "__main__":
