@@ -15,7 +15,10 @@ publish is several arrays and the load several scattered copies.
 Usage:
     python -m benchmarks.kv_transfer                     # single node, 1..512 MB
     python -m benchmarks.kv_transfer --multinode         # also across two raylets
-    python -m benchmarks.kv_transfer --no-prealloc       # plasma memory touched lazily
+    python -m benchmarks.kv_transfer --prealloc off      # plasma memory touched lazily
+
+The single-node run starts Ray through the product's launcher (`cluster.launch.init_ray`), so
+it measures the plasma settings the product runs with unless --prealloc overrides them.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PRODUCER_NAME = "bench-kv-producer"
-PREALLOC_ENV = "RAY_preallocate_plasma_memory"  # Ray's system-config name, lower case
+PREALLOC_ENV = "RAY_preallocate_plasma_memory"  # Ray's system config, read when a raylet starts
 
 
 @dataclass(frozen=True)
@@ -250,12 +253,12 @@ def run_suite(ray, layout: Layout, args, multinode: bool) -> None:
 def start_ray(args, multinode: bool):
     import ray
 
+    from cluster.config import RaySettings
+    from cluster.launch import init_ray
+
     store_bytes = int(max(args.sizes_mb) * 2**20 * 2.5) + (256 << 20)
     if not multinode:
-        ray.init(
-            num_cpus=2, include_dashboard=False, object_store_memory=store_bytes,
-            log_to_driver=False,
-        )  # fmt: skip
+        init_ray(RaySettings(num_cpus=2, object_store_memory=store_bytes))
         return ray, None
     from ray.cluster_utils import Cluster
 
@@ -282,7 +285,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--typical-tokens", type=int, default=2048)
     parser.add_argument("--pause-s", type=float, default=0.2, help="idle time between handoffs")
     parser.add_argument("--multinode", action="store_true", help="also across two raylets")
-    parser.add_argument("--no-prealloc", action="store_true", help="plasma memory touched lazily")
+    parser.add_argument(
+        "--prealloc",
+        choices=["product", "on", "off"],
+        default="product",
+        help="touch all plasma memory when a raylet starts (product: as init_ray, Ray's "
+        "default, off; on only bought a faster first handoff for a slower start)",
+    )
     args = parser.parse_args(argv)
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -290,9 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p
     )  # the actors import connectors/ and engine/
-    # Plasma pages are faulted in on first touch (~0.5 GB/s); touching them all when each
-    # raylet starts makes every later put and fetch run at memory speed.
-    os.environ[PREALLOC_ENV] = "0" if args.no_prealloc else "1"
+    if args.prealloc != "product":
+        os.environ[PREALLOC_ENV] = "1" if args.prealloc == "on" else "0"
     sys.path.insert(0, str(REPO_ROOT))
 
     layout = Layout(args.num_layers, args.num_kv_heads, args.head_dim, args.block_size, args.dtype)
@@ -306,13 +314,14 @@ def main(argv: list[str] | None = None) -> None:
         f"block ids in shuffled runs of {args.run}"
     )
     print(
-        f"ray {ray_module.__version__}, {os.cpu_count()} CPUs, {platform.machine()}; "
-        f"{PREALLOC_ENV}={os.environ[PREALLOC_ENV]}"
+        f"ray {ray_module.__version__}, {os.cpu_count()} CPUs, {platform.machine()}, "
+        f"--prealloc {args.prealloc}"
     )
     for multinode in [False, True] if args.multinode else [False]:
         start_s = time.perf_counter()
         ray, cluster = start_ray(args, multinode)
-        print(f"(ray started in {time.perf_counter() - start_s:.1f} s)")
+        prealloc = os.environ.get(PREALLOC_ENV, "unset (Ray's default: off)")
+        print(f"(ray started in {time.perf_counter() - start_s:.1f} s; {PREALLOC_ENV}={prealloc})")
         try:
             run_suite(ray, layout, args, multinode)
         finally:
