@@ -59,6 +59,17 @@ def stop_serve(process: subprocess.Popen, sig: signal.Signals) -> tuple[int, str
     return process.returncode, err
 
 
+def complete(port: int) -> str:
+    """One completion from a serve on `port`; its text."""
+    response = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
 def descendants(pid: int) -> list[tuple[int, str]]:
     """(pid, command name) of every process below `pid`, read from /proc."""
     children: dict[int, list[int]] = {}

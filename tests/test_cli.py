@@ -9,12 +9,12 @@ import socket
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 import pdcluster
 from cluster.cli import build_parser, load_serve_config, main
 from tests.cli_utils import (
+    complete,
     descendants,
     serve_command,
     serve_env,
@@ -147,12 +147,7 @@ def test_sigterm_stops_serve_and_its_embedded_ray(tmp_path):
         children = descendants(process.pid)
         names = {name for _, name in children}
         assert {"raylet", "gcs_server"} <= names, names
-        response = httpx.post(
-            f"http://127.0.0.1:{port}/v1/completions",
-            json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
-            timeout=60,
-        )
-        assert response.status_code == 200
+        complete(port)
         code, log = stop_serve(process, signal.SIGTERM)
     finally:
         if process.poll() is None:
