@@ -297,6 +297,8 @@ class _Gateway:
             # The deepest error names the culprit (a union's other branches fail shallower).
             error = max(exc.errors(), key=lambda e: len(e["loc"]))
             param = ".".join(str(p) for p in error["loc"] if not _is_type_tag(p))
+            if error["type"] == "unsupported_value":  # its message names the field itself
+                raise APIError(400, error["msg"], "unsupported_value", param) from None
             raise APIError(400, f"{param}: {error['msg']}", "invalid_value", param) from None
         except RecursionError:
             raise APIError(400, "request body is nested too deeply", "invalid_json") from None
@@ -330,13 +332,14 @@ class _Gateway:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStreamResponse(self._completion_chunks(rid, requests, include_usage))
+            chunks = self._completion_chunks(rid, requests, include_usage, body.logprobs)
+            return EventStreamResponse(chunks)
         results = await self._run_to_end(http, requests)
         choices = [
             {
                 "index": r.index,
                 "text": r.text,
-                "logprobs": self._completion_logprobs(r, body.logprobs),
+                "logprobs": self._completion_logprobs(r.token_ids, r.logprobs, body.logprobs),
                 "finish_reason": r.finish_reason,
             }
             for r in results
@@ -368,12 +371,13 @@ class _Gateway:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStreamResponse(self._chat_chunks(rid, requests[0], include_usage))
+            chunks = self._chat_chunks(rid, requests[0], include_usage, body.logprobs)
+            return EventStreamResponse(chunks)
         result = (await self._run_to_end(http, requests))[0]
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": result.text},
-            "logprobs": self._chat_logprobs(result) if body.logprobs else None,
+            "logprobs": self._chat_logprobs(result.token_ids, result.logprobs, body.logprobs),
             "finish_reason": result.finish_reason,
         }
         return JSONResponse(
@@ -517,7 +521,7 @@ class _Gateway:
                 task.cancel()
 
     async def _completion_chunks(
-        self, rid: str, requests: list[EngineRequest], include_usage: bool
+        self, rid: str, requests: list[EngineRequest], include_usage: bool, logprobs: int | None
     ) -> AsyncGenerator[bytes, None]:
         sse = ChunkEncoder(rid, "text_completion", int(time.time()), self.model_name)
         results: dict[int, _Result] = {}
@@ -527,7 +531,9 @@ class _Gateway:
                 choice = {
                     "index": index,
                     "text": out.new_text,
-                    "logprobs": None,
+                    "logprobs": self._completion_logprobs(
+                        out.new_token_ids, out.new_logprobs or [], logprobs
+                    ),
                     "finish_reason": out.finish_reason,
                 }
                 if out.finish_reason == "error":
@@ -538,22 +544,24 @@ class _Gateway:
         yield DONE
 
     async def _chat_chunks(
-        self, rid: str, request: EngineRequest, include_usage: bool
+        self, rid: str, request: EngineRequest, include_usage: bool, logprobs: bool
     ) -> AsyncGenerator[bytes, None]:
         sse = ChunkEncoder(rid, "chat.completion.chunk", int(time.time()), self.model_name)
         role = {"role": "assistant", "content": ""}
         yield sse.event([{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}])
-        final = None
+        final, num_sent = None, 0  # tokens whose logprobs went out (held-back text waits)
         async with contextlib.aclosing(self._merged([request])) as outputs:
             async for _, out, result in outputs:
                 final = result
                 if not out.new_text and not out.finished:
                     continue  # text held back (an incomplete character, a possible stop string)
                 delta = {"content": out.new_text} if out.new_text else {}
+                ids, lps = result.token_ids[num_sent:], result.logprobs[num_sent:]
+                num_sent = len(result.token_ids)
                 choice = {
                     "index": 0,
                     "delta": delta,
-                    "logprobs": None,
+                    "logprobs": self._chat_logprobs(ids, lps, logprobs),
                     "finish_reason": out.finish_reason,
                 }
                 if out.finish_reason == "error":
@@ -564,20 +572,25 @@ class _Gateway:
         yield DONE
 
     # ---- logprobs --------------------------------------------------------------------
-    def _completion_logprobs(self, r: _Result, logprobs: int | None) -> dict[str, Any] | None:
-        if logprobs is None:
+    # Only the sampled token's log-probability: top-N entries are refused at parse time.
+    def _completion_logprobs(
+        self, token_ids: list[int], logprobs: list[float], wanted: int | None
+    ) -> dict[str, Any] | None:
+        if wanted is None:
             return None
-        tokens = [
-            self.cluster.tokenizer.decode([t], skip_special_tokens=False) for t in r.token_ids
-        ]
+        tokens = [self.cluster.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
         return {
             "tokens": tokens,
-            "token_logprobs": r.logprobs,
+            "token_logprobs": logprobs,
             "top_logprobs": None,
             "text_offset": None,
         }
 
-    def _chat_logprobs(self, r: _Result) -> dict[str, Any]:
+    def _chat_logprobs(
+        self, token_ids: list[int], logprobs: list[float], wanted: bool
+    ) -> dict[str, Any] | None:
+        if not wanted:
+            return None
         tok = self.cluster.tokenizer
         content = [
             {
@@ -586,7 +599,7 @@ class _Gateway:
                 "bytes": None,
                 "top_logprobs": [],
             }
-            for t, lp in zip(r.token_ids, r.logprobs)
+            for t, lp in zip(token_ids, logprobs)
         ]
         return {"content": content}
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import SamplingParams
 
@@ -20,6 +21,11 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def unsupported(message: str) -> PydanticCustomError:
+    """A validation error whose message is the whole story (the gateway shows it as is)."""
+    return PydanticCustomError("unsupported_value", message)
 
 
 class StreamOptions(_Body):
@@ -40,11 +46,49 @@ class _SamplingFields(_Body):
     ignore_eos: bool = Field(False, description="keep generating past EOS")
     stream: bool = Field(False, description="server-sent events, ending with [DONE]")
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only 1 completion per prompt is supported")
-    presence_penalty: FiniteFloat = Field(0.0, ge=0, le=0, description="not supported: 0 only")
-    frequency_penalty: FiniteFloat = Field(0.0, ge=0, le=0, description="not supported: 0 only")
-    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="unsupported")
+    n: int = Field(1, ge=1, description="not supported past 1: one completion per prompt")
+    presence_penalty: FiniteFloat = Field(0.0, description="not supported: 0 only")
+    frequency_penalty: FiniteFloat = Field(0.0, description="not supported: 0 only")
+    repetition_penalty: FiniteFloat = Field(1.0, description="vLLM's; not supported: 1 only")
+    logit_bias: dict[str, FiniteFloat] | None = Field(None, description="not supported: empty")
     user: str | None = Field(None, max_length=256, description="ignored")
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, n: int) -> int:
+        if n > 1:
+            raise unsupported("n > 1 is not supported")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _check_penalty(cls, value: float, info: ValidationInfo) -> float:
+        if value != 0:
+            raise unsupported(f"{info.field_name} is not supported (only 0)")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _check_repetition_penalty(cls, value: float) -> float:
+        if value != 1:
+            raise unsupported("repetition_penalty is not supported (only 1)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise unsupported("logit_bias is not supported")
+        return bias
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise unsupported("stream_options is only allowed with stream: true")
+        return options
 
     @field_validator("stop")
     @classmethod
@@ -75,10 +119,43 @@ class CompletionRequest(_SamplingFields):
         ..., description="text, token ids, or a batch of either"
     )
     max_tokens: int | None = Field(16, ge=1, description="tokens to generate at most")
-    logprobs: int | None = Field(None, ge=0, le=5, description="log-probability of each token")
-    echo: bool = Field(False, le=False, description="not supported")
-    suffix: str | None = Field(None, max_length=0, description="not supported")
-    best_of: int | None = Field(None, ge=1, le=1, description="only 1")
+    logprobs: int | None = Field(
+        None, ge=0, description="0: log-probability of each sampled token; top-N not supported"
+    )
+    echo: bool = Field(False, description="not supported: false only")
+    suffix: str | None = Field(None, description="not supported: empty only")
+    best_of: int | None = Field(None, ge=1, description="not supported past 1")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, logprobs: int | None) -> int | None:
+        if logprobs:
+            raise unsupported(
+                "logprobs > 0 (top-N) is not supported; use logprobs=0 for the log-probability "
+                "of each sampled token"
+            )
+        return logprobs
+
+    @field_validator("echo")
+    @classmethod
+    def _check_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise unsupported("echo is not supported")
+        return echo
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise unsupported("suffix is not supported")
+        return suffix
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, best_of: int | None) -> int | None:
+        if best_of is not None and best_of > 1:
+            raise unsupported("best_of > 1 is not supported")
+        return best_of
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -120,7 +197,14 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias")
     max_completion_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
     logprobs: bool = Field(False, description="return log-probabilities of sampled tokens")
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="only 0 is supported")
+    top_logprobs: int | None = Field(None, ge=0, description="not supported past 0")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, top_logprobs: int | None) -> int | None:
+        if top_logprobs:
+            raise unsupported("top_logprobs > 0 is not supported (only 0, with logprobs: true)")
+        return top_logprobs
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai")
 
 MODEL = "tiny-llava"
 NO_EOS = {"ignore_eos": True}
+CHAT_BODY = {"messages": [{"role": "user", "content": "Hi!"}]}
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,60 @@ def test_completion_errors_are_openai_shaped_4xx(base_url, body, status, needle)
     assert response.status_code == status
     error = response.json()["error"]
     assert needle in error["message"] and error["type"]
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "message"),
+    [
+        ("completions", {"n": 2}, "n > 1 is not supported"),
+        ("completions", {"best_of": 3}, "best_of > 1 is not supported"),
+        ("completions", {"presence_penalty": 0.5}, "presence_penalty is not supported (only 0)"),
+        ("chat", {"frequency_penalty": -1}, "frequency_penalty is not supported (only 0)"),
+        ("chat", {"repetition_penalty": 1.2}, "repetition_penalty is not supported (only 1)"),
+        ("completions", {"logit_bias": {"5": 10}}, "logit_bias is not supported"),
+        ("completions", {"echo": True}, "echo is not supported"),
+        ("completions", {"suffix": "end"}, "suffix is not supported"),
+        ("completions", {"logprobs": 2}, "logprobs > 0 (top-N) is not supported; use logprobs=0"),
+        ("chat", {"logprobs": True, "top_logprobs": 3}, "top_logprobs > 0 is not supported"),
+        ("chat", {"stream_options": {"include_usage": True}}, "stream_options is only allowed"),
+    ],
+)
+def test_unsupported_parameters_are_named(base_url, path, fields, message):
+    body = {"model": MODEL, "max_tokens": 1, **fields}
+    body.update({"prompt": "x"} if path == "completions" else CHAT_BODY)
+    response = httpx.post(f"{base_url}/v1/{path.replace('chat', 'chat/completions')}", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"].startswith(message) and error["param"] == next(reversed(fields))
+    assert error["code"] == "unsupported_value"
+
+
+def test_supported_values_of_unsupported_parameters_are_accepted(client):
+    defaults = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
+    out = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=1, echo=False, best_of=1, **defaults,
+        extra_body={"repetition_penalty": 1.0},
+    )  # fmt: skip
+    assert len(out.choices) == 1
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=1, logprobs=True, top_logprobs=0, **defaults, **CHAT_BODY
+    )
+    assert len(chat.choices[0].logprobs.content) == 1
+
+
+def test_streamed_logprobs(client):
+    stream = client.completions.create(
+        model=MODEL, prompt="Stream me", max_tokens=5, logprobs=0, stream=True, extra_body=NO_EOS
+    )
+    chunks = [c.choices[0] for c in stream]
+    lps = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert len(lps) == 5 and all(lp <= 0 for lp in lps)
+    assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) for c in chunks)
+    stream = client.chat.completions.create(
+        model=MODEL, max_tokens=5, logprobs=True, stream=True, extra_body=NO_EOS, **CHAT_BODY
+    )
+    content = [lp for c in stream if c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert len(content) == 5 and all(lp.logprob <= 0 for lp in content)
 
 
 def test_batches_of_prompts_are_bounded(base_url, cluster):
