@@ -30,13 +30,20 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster.config import GatewaySettings
 from cluster.metrics import GatewayMetrics
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, ScaleRequest
+from cluster.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ScaleRequest,
+    TokenizeRequest,
+)
 from cluster.sse import DONE, ChunkEncoder, EventStreamResponse
 from engine.multimodal import decode_data_url, load_image
 from engine.outputs import EngineCoreOutput
 from engine.request import Request as EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer, chat_template_takes_content_parts
+from pdcluster import __version__
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 DISCONNECT_POLL_S = 0.1
@@ -44,6 +51,8 @@ IMAGE_FETCH_TIMEOUT_S = 10.0
 COMPONENTS = "#/components/schemas/"
 # A \uXXXX escape of a UTF-16 surrogate: only through one can an ASCII body hold a lone one.
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# Behind the API key, with every path under /v1/ (/health, /metrics and the docs stay open).
+KEYED_PATHS = ("/tokenize", "/detokenize", "/version")
 
 
 class ClusterClient(Protocol):
@@ -123,14 +132,25 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": gw.created,
-            "owned_by": "pdcluster",
-            "max_model_len": max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [gw.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, gw.no_such_model(model_id), "model_not_found", "model")
+        return gw.model_card()
+
+    @app.post("/tokenize", openapi_extra=_request_body(TokenizeRequest))
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return gw.tokenize(await gw.parse(request, TokenizeRequest))
+
+    @app.post("/detokenize", openapi_extra=_request_body(DetokenizeRequest))
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return gw.detokenize(await gw.parse(request, DetokenizeRequest))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/v1/cluster")
     async def cluster_view() -> dict[str, Any]:
@@ -170,7 +190,9 @@ def create_app(
             metrics.instances.snapshot = []
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    _document_bodies(app, (CompletionRequest, ChatCompletionRequest))
+    _document_bodies(
+        app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    )
     return app
 
 
@@ -252,7 +274,8 @@ class _Gateway:
         if key is None:
             return
         request = Request(scope)
-        if not request.url.path.startswith("/v1/"):
+        path = request.url.path
+        if not path.startswith("/v1/") and path not in KEYED_PATHS:
             return
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
@@ -297,19 +320,17 @@ class _Gateway:
             # The deepest error names the culprit (a union's other branches fail shallower).
             error = max(exc.errors(), key=lambda e: len(e["loc"]))
             param = ".".join(str(p) for p in error["loc"] if not _is_type_tag(p))
-            if error["type"] == "unsupported_value":  # its message names the field itself
-                raise APIError(400, error["msg"], "unsupported_value", param) from None
+            if error["type"] in ("unsupported_value", "invalid_value"):  # names its field
+                raise APIError(400, error["msg"], error["type"], param or None) from None
             raise APIError(400, f"{param}: {error['msg']}", "invalid_value", param) from None
         except RecursionError:
             raise APIError(400, "request body is nested too deeply", "invalid_json") from None
-        if getattr(parsed, "model", self.model_name) != self.model_name:
-            raise APIError(
-                404,
-                f"model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
-                "model_not_found",
-                "model",
-            )
+        if getattr(parsed, "model", None) not in (None, self.model_name):
+            raise APIError(404, self.no_such_model(parsed.model), "model_not_found", "model")
         return parsed
+
+    def no_such_model(self, model_id: str) -> str:
+        return f"model {model_id!r} does not exist; this server serves {self.model_name!r}"
 
     # ---- endpoints -------------------------------------------------------------------
     async def completions(self, http: Request) -> Response:
@@ -391,17 +412,55 @@ class _Gateway:
             }
         )
 
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pdcluster",
+            "max_model_len": self.max_model_len,
+        }
+
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """The prompt's token ids as a completion (or, for messages, a chat) would send them."""
+        try:
+            if body.messages is not None:
+                text = self._fits(self._render_chat(body, body.add_generation_prompt))
+                add_special_tokens = bool(body.add_special_tokens)  # the template adds its own
+            else:
+                text = self._fits(body.prompt or "")
+                add_special_tokens = body.add_special_tokens is not False
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value") from None
+        tokens = self.cluster.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        tokenizer = self.cluster.tokenizer
+        for token_id in body.tokens:
+            if not 0 <= token_id < tokenizer.vocab_size or tokenizer.id_to_token(token_id) is None:
+                raise APIError(
+                    400,
+                    f"tokens: {token_id} is not a token id of this model "
+                    f"(vocabulary of {tokenizer.vocab_size})",
+                    "invalid_value",
+                    "tokens",
+                )
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
     # ---- request building ------------------------------------------------------------
     @cached_property
     def _template_takes_content_parts(self) -> bool:
         template = self.cluster.tokenizer.chat_template
         return template is None or chat_template_takes_content_parts(template)
 
-    def _render_chat(self, body: ChatCompletionRequest) -> str:
+    def _render_chat(
+        self, body: ChatCompletionRequest | TokenizeRequest, add_generation_prompt: bool = True
+    ) -> str:
         """The chat prompt; a template that fails on these messages is the client's error."""
         messages = body.template_messages(self._template_takes_content_parts)
         try:
-            return self.cluster.tokenizer.apply_chat_template(messages)
+            return self.cluster.tokenizer.apply_chat_template(messages, add_generation_prompt)
         except TypeError as exc:  # e.g. the template adds a string to a non-string value
             raise ValueError(f"chat template failed: {exc}") from None
 

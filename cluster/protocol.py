@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import SamplingParams
@@ -23,9 +23,13 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# Validation errors whose message is the whole story: the gateway shows it as is.
 def unsupported(message: str) -> PydanticCustomError:
-    """A validation error whose message is the whole story (the gateway shows it as is)."""
     return PydanticCustomError("unsupported_value", message)
+
+
+def invalid(message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", message)
 
 
 class StreamOptions(_Body):
@@ -87,7 +91,7 @@ class _SamplingFields(_Body):
         cls, options: StreamOptions | None, info: ValidationInfo
     ) -> StreamOptions | None:
         if options is not None and not info.data.get("stream"):
-            raise unsupported("stream_options is only allowed with stream: true")
+            raise invalid("stream_options is only allowed with stream: true")
         return options
 
     @field_validator("stop")
@@ -210,25 +214,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     def template_messages(self, content_parts: bool = True) -> list[dict[str, Any]]:
-        """Messages for the chat template: images become {"type": "image"} parts. For a
-        template that takes string content only (`content_parts` False), text parts are
-        joined by newlines into one string, and an image part is refused."""
-        out = []
-        for m in self.messages:
-            content: Any = m.content
-            if isinstance(content, list) and content_parts:
-                content = [
-                    {"type": "text", "text": p.text}
-                    if isinstance(p, TextPart)
-                    else {"type": "image"}
-                    for p in content
-                ]
-            elif isinstance(content, list):
-                if not all(isinstance(p, TextPart) for p in content):
-                    raise ValueError("this model's chat template takes text content only")
-                content = "\n".join(p.text for p in content)
-            out.append({"role": m.role, "content": content})
-        return out
+        return template_messages(self.messages, content_parts)
 
     def image_urls(self) -> list[str]:
         return [
@@ -238,6 +224,56 @@ class ChatCompletionRequest(_SamplingFields):
             for p in m.content
             if isinstance(p, ImagePart)
         ]
+
+
+def template_messages(
+    messages: list[ChatMessage], content_parts: bool = True
+) -> list[dict[str, Any]]:
+    """Messages for the chat template: images become {"type": "image"} parts. For a
+    template that takes string content only (`content_parts` False), text parts are
+    joined by newlines into one string, and an image part is refused."""
+    out = []
+    for m in messages:
+        content: Any = m.content
+        if isinstance(content, list) and content_parts:
+            content = [
+                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                for p in content
+            ]
+        elif isinstance(content, list):
+            if not all(isinstance(p, TextPart) for p in content):
+                raise ValueError("this model's chat template takes text content only")
+            content = "\n".join(p.text for p in content)
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+class TokenizeRequest(_Body):
+    """`POST /tokenize` (vLLM's): a `prompt`, or chat `messages` rendered by the template."""
+
+    model: str | None = Field(None, min_length=1, max_length=256, description="served model id")
+    prompt: str | None = Field(None, description="text to tokenize")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
+    add_generation_prompt: bool = Field(True, description="messages: end with the reply's cue")
+    add_special_tokens: bool | None = Field(
+        None, description="add BOS and the like; default true for prompt, false for messages"
+    )
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise invalid("give either prompt or messages")
+        return self
+
+    def template_messages(self, content_parts: bool = True) -> list[dict[str, Any]]:
+        return template_messages(self.messages or [], content_parts)
+
+
+class DetokenizeRequest(_Body):
+    """`POST /detokenize` (vLLM's): token ids back to text, special tokens included."""
+
+    model: str | None = Field(None, min_length=1, max_length=256, description="served model id")
+    tokens: list[int] = Field(..., description="token ids of this model's vocabulary")
 
 
 class ScaleRequest(_Body):

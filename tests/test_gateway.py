@@ -184,7 +184,7 @@ def test_unsupported_parameters_are_named(base_url, path, fields, message):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["message"].startswith(message) and error["param"] == next(reversed(fields))
-    assert error["code"] == "unsupported_value"
+    assert error["code"] in ("unsupported_value", "invalid_value")
 
 
 def test_supported_values_of_unsupported_parameters_are_accepted(client):
@@ -409,3 +409,73 @@ def test_a_template_that_fails_while_rendering_is_a_400(gateway_with_template):
     response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400
     assert "chat template failed" in response.json()["error"]["message"]
+
+
+# ---- vLLM's extra endpoints ----------------------------------------------------------------
+
+
+def test_model_card_by_id(base_url):
+    card = httpx.get(f"{base_url}/v1/models/{MODEL}").json()
+    assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] > 0
+    response = httpx.get(f"{base_url}/v1/models/gpt-4")
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert "'gpt-4' does not exist" in error["message"] and error["code"] == "model_not_found"
+
+
+def test_tokenize_and_detokenize(base_url, cluster):
+    tokenizer = cluster.tokenizer
+    out = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": "Hello there"}).json()
+    assert out["tokens"] == tokenizer.encode("Hello there")
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == cluster.max_model_len
+    bare = {"prompt": "Hello there", "add_special_tokens": False}
+    tokens = httpx.post(f"{base_url}/tokenize", json=bare).json()["tokens"]
+    assert tokens == tokenizer.encode("Hello there", add_special_tokens=False)
+    messages = CHAT_BODY["messages"]
+    chat = httpx.post(f"{base_url}/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == tokenizer.encode_chat(messages)
+    body = {"messages": messages, "add_generation_prompt": False}
+    no_cue = httpx.post(f"{base_url}/tokenize", json=body).json()["tokens"]
+    assert no_cue == tokenizer.encode_chat(messages, add_generation_prompt=False)
+
+    back = httpx.post(f"{base_url}/detokenize", json={"model": MODEL, "tokens": tokens}).json()
+    assert back == {"prompt": "Hello there"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("tokenize", {"prompt": "x", "messages": CHAT_BODY["messages"]}, 400, "either prompt"),
+        ("tokenize", {}, 400, "either prompt"),
+        ("tokenize", {"prompt": "x", "bogus": 1}, 400, "bogus"),
+        ("tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+        ("detokenize", {"tokens": [-1]}, 400, "-1 is not a token id"),
+        ("detokenize", {"tokens": [5, 10**9]}, 400, "1000000000 is not a token id"),
+        ("detokenize", {"tokens": "5"}, 400, "tokens"),
+    ],
+)
+def test_tokenize_errors(base_url, path, body, status, needle):
+    response = httpx.post(f"{base_url}/{path}", json=body)
+    assert response.status_code == status
+    assert needle in response.json()["error"]["message"]
+
+
+def test_version(base_url):
+    import pdcluster
+
+    assert httpx.get(f"{base_url}/version").json() == {"version": pdcluster.__version__}
+
+
+def test_api_key_covers_the_new_endpoints(cluster):
+    app = create_app(cluster, GatewaySettings(api_key="s3cret"), MODEL, cluster.max_model_len)
+    key = {"Authorization": "Bearer s3cret"}
+    with running(app) as url:
+        for method, path, body in [
+            ("GET", f"/v1/models/{MODEL}", None),
+            ("POST", "/tokenize", {"prompt": "x"}),
+            ("POST", "/detokenize", {"tokens": [5]}),
+            ("GET", "/version", None),
+        ]:
+            assert httpx.request(method, url + path, json=body).status_code == 401
+            assert httpx.request(method, url + path, json=body, headers=key).status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200
