@@ -51,8 +51,15 @@ from benchmarks.workload import (
     with_images,
 )
 
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+SHARED_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+PACKAGED_TRACE = Path(__file__).resolve().parent / "data" / "azure_llm_2023_conv_sample.csv"
 NUM_WARMUP = 2
+
+
+def default_trace(shared: Path = SHARED_TRACE) -> Path:
+    """The full Azure conv trace where a checkout has it next to it, else the packaged
+    2,000-request sample (benchmarks/data/README.md), which every install has."""
+    return shared if shared.is_file() else PACKAGED_TRACE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--api-key", default=None, help="bearer key of the --url gateway")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace CSV (default: %(default)s)")
+    w.add_argument(
+        "--trace",
+        default=str(default_trace()),
+        help="trace CSV (default: the full Azure conv trace at ../shared/traces/ when present,\n"
+        "else the packaged first-2,000-request sample; here: %(default)s)",
+    )
     w.add_argument("--window-start-s", type=float, default=0.0, help="trace window start")
     w.add_argument("--num-requests", type=int, default=None, help="requests per run")
     w.add_argument("--duration-s", type=float, default=None, help="trace window length")

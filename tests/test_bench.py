@@ -186,6 +186,16 @@ def test_sweep_without_slo_is_refused(capsys):
     assert code == 2 and "needs SLOs" in capsys.readouterr().err
 
 
+def test_default_trace_is_the_packaged_sample_without_shared(tmp_path):
+    path = bench.default_trace(tmp_path / "shared" / "traces" / "absent.csv")
+    assert path == bench.PACKAGED_TRACE and path.is_file() and "shared" not in path.parts
+    rows = load_trace(path)
+    assert len(rows) == 2000 and rows[0].prompt_len == 374  # the full trace's first rows
+    shared = tmp_path / "full.csv"
+    shared.write_text(TRACE)
+    assert bench.default_trace(shared) == shared
+
+
 # ---- smoke run on Ray ---------------------------------------------------------------------
 def _config(tmp_path, model_dir, name, roles):
     data = {
