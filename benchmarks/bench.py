@@ -118,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--max-run-s", type=float, default=600.0, help="one run stops itself after")
     x.add_argument("--drain-s", type=float, default=120.0, help="run limit past the last arrival")
     x.add_argument("--cdf-rate", type=float, default=None, help="rate of the CDF plots")
+    x.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most N requests in flight; one arriving later waits for a free slot (as in\n"
+        "`vllm bench serve`: the arrival schedule is kept, the sent rate may fall)",
+    )
     x.add_argument("--out", default="bench-out", help="output folder")
     return p
 
@@ -171,6 +178,8 @@ def _check(args: argparse.Namespace) -> None:
     sweep = args.rates == "auto" or len((args.rates or "").split(",")) > 1
     if sweep and not (args.slo_scale or args.ttft_slo_ms or args.tpot_slo_ms):
         raise ValueError("a rate sweep (goodput) needs SLOs: --slo-scale or --*-slo-ms")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency is at least 1")
     if not 0 <= args.image_fraction <= 1:
         raise ValueError("--image-fraction is a fraction in [0, 1]")
 
@@ -279,7 +288,14 @@ def run_rate(
     actual_rate = workload.mean_rate if len(workload.requests) > 1 else 0.0
     load_before = report.loadavg()
     outcome = asyncio.run(
-        run_load(target.url, prepared, limit, target.api_key, f"{target.name} @ {actual_rate:.3g}")
+        run_load(
+            target.url,
+            prepared,
+            limit,
+            target.api_key,
+            f"{target.name} @ {actual_rate:.3g}",
+            args.max_concurrency,
+        )
     )
     summary = summarize(outcome.results, outcome.duration_s, slo)
     print(report.run_line(target.name, actual_rate, summary) + f"   [{workload.describe()}]")
@@ -287,6 +303,7 @@ def run_rate(
         "rate_rps": actual_rate,
         "scaling": workload.scaling,
         "workload": workload.describe(),
+        "max_concurrency": args.max_concurrency,
         "max_run_s": limit,
         "loadavg": {"before": load_before, "after": report.loadavg()},  # a shared machine?
         "summary": summary,

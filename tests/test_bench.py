@@ -3,16 +3,18 @@ smoke run that launches two tiny topologies on the session's Ray."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
 
+import httpx
 import numpy as np
 import pytest
 import yaml
 
-from benchmarks import bench
-from benchmarks.client import RequestResult
+from benchmarks import bench, client
+from benchmarks.client import PreparedRequest, RequestResult, run_load
 from benchmarks.metrics import Slo, goodput, percentile, search_rates, summarize
 from benchmarks.workload import (
     FIRST_ORDINARY_TOKEN_ID,
@@ -194,6 +196,62 @@ def test_default_trace_is_the_packaged_sample_without_shared(tmp_path):
     shared = tmp_path / "full.csv"
     shared.write_text(TRACE)
     assert bench.default_trace(shared) == shared
+
+
+def _fake_gateway(monkeypatch, chunk_delay_s, num_tokens=3):
+    """An httpx transport that streams `num_tokens` completion chunks per request; returns
+    a dict whose "peak" is the most requests it had in flight at once."""
+    state = {"in_flight": 0, "peak": 0}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        state["in_flight"] += 1
+        state["peak"] = max(state["peak"], state["in_flight"])
+
+        async def body():
+            try:
+                for _ in range(num_tokens):
+                    await asyncio.sleep(chunk_delay_s)
+                    yield b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+                usage = {"prompt_tokens": 4, "completion_tokens": num_tokens}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            finally:
+                state["in_flight"] -= 1
+
+        return httpx.Response(200, content=body())
+
+    transport = httpx.MockTransport(handler)
+    monkeypatch.setattr(client, "make_client", lambda api_key=None: httpx.AsyncClient(
+        transport=transport))  # fmt: skip
+    return state
+
+
+def _burst(num):
+    return [PreparedRequest(RequestSpec(0.0, 4, 3), "/v1/completions", {}) for _ in range(num)]
+
+
+@pytest.mark.parametrize("max_concurrency, peak", [(None, 6), (2, 2), (1, 1)])
+def test_max_concurrency_caps_requests_in_flight(monkeypatch, max_concurrency, peak):
+    state = _fake_gateway(monkeypatch, chunk_delay_s=0.01)
+    outcome = asyncio.run(run_load("http://gw", _burst(6), 30.0, max_concurrency=max_concurrency))
+    assert state["peak"] == peak
+    assert all(r.ok and r.num_output_tokens == 3 for r in outcome.results)
+    sends = [r.send_s for r in outcome.results]
+    if max_concurrency:  # the rest waited for a slot: sent after the first ones
+        assert min(sends[max_concurrency:]) > max(sends[:max_concurrency])
+
+
+def test_max_concurrency_deadline_cancels_waiting_requests(monkeypatch):
+    _fake_gateway(monkeypatch, chunk_delay_s=0.2)
+    outcome = asyncio.run(run_load("http://gw", _burst(3), 0.05, max_concurrency=1))
+    errors = [r.error for r in outcome.results]
+    assert errors[0] == "cancelled at the run's deadline"
+    assert all("waiting for a --max-concurrency slot" in e for e in errors[1:])
+
+
+def test_max_concurrency_below_one_is_refused(capsys):
+    code = bench.main(["--url", "http://x", "--synthetic", "--rate", "1", "--max-concurrency", "0"])
+    assert code == 2 and "--max-concurrency" in capsys.readouterr().err
 
 
 # ---- smoke run on Ray ---------------------------------------------------------------------
