@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         "`vllm bench serve`: the arrival schedule is kept, the sent rate may fall)",
     )
     x.add_argument("--out", default="bench-out", help="output folder")
+    x.add_argument(
+        "--save-vllm-json",
+        metavar="PATH",
+        default=None,
+        help="also write each run as a `vllm bench serve --save-result --save-detailed` JSON\n"
+        "object, one per line (one run: a plain JSON file)",
+    )
     return p
 
 
@@ -163,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             reference = Slo(result["slo"]["ttft_ms"], result["slo"]["tpot_ms"])
     results["machine"]["loadavg_end"] = report.loadavg()
     paths = report.write_all(results, Path(args.out), args.cdf_rate)
+    if args.save_vllm_json:
+        paths["vllm_json"] = report.write_vllm_json(results, Path(args.save_vllm_json))
     print(paths["summary"].read_text(encoding="utf-8"))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks import bench, client
+from benchmarks import bench, client, report
 from benchmarks.client import PreparedRequest, RequestResult, run_load
-from benchmarks.metrics import Slo, goodput, percentile, search_rates, summarize
+from benchmarks.metrics import Slo, goodput, percentile, search_rates, summarize, vllm_result
 from benchmarks.workload import (
     FIRST_ORDINARY_TOKEN_ID,
     MAX_RANDOM_TOKEN_ID,
@@ -254,6 +254,59 @@ def test_max_concurrency_below_one_is_refused(capsys):
     assert code == 2 and "--max-concurrency" in capsys.readouterr().err
 
 
+VLLM_KEYS = {
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
+    "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
+    "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
+    "output_throughput", "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls",
+    "latencies", "start_times", "queue_times", "errors",
+    *(f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
+      for stat in ("mean", "median", "std", "p99")),
+}  # fmt: skip
+
+
+def _synthetic_results():
+    results = [
+        _result(0.1, 1.1, 11),
+        _result(0.3, 0.5, 3),
+        _result(0.2, 0.2, 1),
+        _result(None, None, 0, error="HTTP 500"),
+    ]
+    for r in results[:2]:  # one ITL per token after the first
+        r.itl_s = [(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1)] * (r.num_output_tokens - 1)
+    run = {
+        "rate_rps": 2.0,
+        "scaling": {"source": "synthetic"},
+        "max_concurrency": 2,
+        "summary": summarize(results, 2.0, Slo(ttft_ms=200, tpot_ms=150)),
+        "requests": [r.to_dict() for r in results],
+    }
+    return {"topologies": [{"name": "1P1D", "model": "m", "runs": [run, run]}]}
+
+
+def test_vllm_json_has_vllms_keys_and_units(tmp_path):
+    results = _synthetic_results()
+    topo = results["topologies"][0]
+    out = vllm_result(topo, topo["runs"][0], "20261130-120000")
+    assert set(out) == VLLM_KEYS
+    assert (out["num_prompts"], out["completed"], out["failed"]) == (4, 3, 1)
+    assert (out["max_concurrency"], out["request_rate"], out["burstiness"]) == (2, 2.0, 1.0)
+    assert out["total_input_tokens"] == 30 and out["total_output_tokens"] == 15
+    assert out["request_throughput"] == 1.5 and out["output_throughput"] == 7.5
+    assert out["total_token_throughput"] == 22.5
+    assert out["request_goodput"] == 1.0  # 2 of 4 meet both SLOs (the second's TTFT misses)
+    assert out["ttfts"] == pytest.approx([0.1, 0.3, 0.2, 0.0])  # seconds, 0 for failed
+    assert out["output_lens"] == [11, 3, 1, 0] and out["errors"][3] == "HTTP 500"
+    assert len(out["itls"][0]) == 10 and out["itls"][0][0] == pytest.approx(0.1)
+    assert out["mean_ttft_ms"] == pytest.approx(200.0)
+    assert out["std_ttft_ms"] == pytest.approx(np.std([100, 300, 200]))
+    assert out["median_tpot_ms"] == pytest.approx(100.0)  # mean of 100 and 100: (0.5-0.3)/2
+    assert out["p99_e2el_ms"] == pytest.approx(np.percentile([1100, 500, 200], 99))
+    path = report.write_vllm_json(results, tmp_path / "vllm.jsonl")
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 and set(json.loads(lines[0])) == VLLM_KEYS
+
+
 # ---- smoke run on Ray ---------------------------------------------------------------------
 def _config(tmp_path, model_dir, name, roles):
     data = {
@@ -280,8 +333,13 @@ def test_bench_smoke_two_topologies(ray_session, preset_dir, tmp_path):
     argv = ["--topologies", f"{pd},{mixed}", "--synthetic", "--num-requests", "8",
             "--prompt-len", "24", "--output-len", "6", "--jitter", "0.5", "--rates", "4,16",
             "--slo-scale", "5,3", "--isolated-requests", "2", "--image-fraction", "0.25",
-            "--gateway-overhead", "--overhead-requests", "2", "--out", str(out)]  # fmt: skip
+            "--gateway-overhead", "--overhead-requests", "2", "--out", str(out),
+            "--max-concurrency", "6", "--save-vllm-json", str(out / "vllm.jsonl")]  # fmt: skip
     assert bench.main(argv) == 0
+    vllm_runs = [json.loads(line) for line in (out / "vllm.jsonl").read_text().splitlines()]
+    assert [(v["label"], v["max_concurrency"], v["completed"]) for v in vllm_runs] == [
+        (name, 6, 8) for name in (pd, pd, mixed, mixed)
+    ]
 
     results = json.loads((out / "results.json").read_text())
     assert results["command"].startswith("pdcluster bench --topologies")
