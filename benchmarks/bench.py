@@ -51,8 +51,15 @@ from benchmarks.workload import (
     with_images,
 )
 
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+SHARED_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+PACKAGED_TRACE = Path(__file__).resolve().parent / "data" / "azure_llm_2023_conv_sample.csv"
 NUM_WARMUP = 2
+
+
+def default_trace(shared: Path = SHARED_TRACE) -> Path:
+    """The full Azure conv trace where a checkout has it next to it, else the packaged
+    2,000-request sample (benchmarks/data/README.md), which every install has."""
+    return shared if shared.is_file() else PACKAGED_TRACE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--api-key", default=None, help="bearer key of the --url gateway")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace CSV (default: %(default)s)")
+    w.add_argument(
+        "--trace",
+        default=str(default_trace()),
+        help="trace CSV (default: the full Azure conv trace at ../shared/traces/ when present,\n"
+        "else the packaged first-2,000-request sample; here: %(default)s)",
+    )
     w.add_argument("--window-start-s", type=float, default=0.0, help="trace window start")
     w.add_argument("--num-requests", type=int, default=None, help="requests per run")
     w.add_argument("--duration-s", type=float, default=None, help="trace window length")
@@ -106,7 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--max-run-s", type=float, default=600.0, help="one run stops itself after")
     x.add_argument("--drain-s", type=float, default=120.0, help="run limit past the last arrival")
     x.add_argument("--cdf-rate", type=float, default=None, help="rate of the CDF plots")
+    x.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most N requests in flight; one arriving later waits for a free slot (as in\n"
+        "`vllm bench serve`: the arrival schedule is kept, the sent rate may fall)",
+    )
     x.add_argument("--out", default="bench-out", help="output folder")
+    x.add_argument(
+        "--save-vllm-json",
+        metavar="PATH",
+        default=None,
+        help="also write each run as a `vllm bench serve --save-result --save-detailed` JSON\n"
+        "object, one per line (one run: a plain JSON file)",
+    )
     return p
 
 
@@ -144,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             reference = Slo(result["slo"]["ttft_ms"], result["slo"]["tpot_ms"])
     results["machine"]["loadavg_end"] = report.loadavg()
     paths = report.write_all(results, Path(args.out), args.cdf_rate)
+    if args.save_vllm_json:
+        paths["vllm_json"] = report.write_vllm_json(results, Path(args.save_vllm_json))
     print(paths["summary"].read_text(encoding="utf-8"))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
@@ -159,6 +187,8 @@ def _check(args: argparse.Namespace) -> None:
     sweep = args.rates == "auto" or len((args.rates or "").split(",")) > 1
     if sweep and not (args.slo_scale or args.ttft_slo_ms or args.tpot_slo_ms):
         raise ValueError("a rate sweep (goodput) needs SLOs: --slo-scale or --*-slo-ms")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency is at least 1")
     if not 0 <= args.image_fraction <= 1:
         raise ValueError("--image-fraction is a fraction in [0, 1]")
 
@@ -267,7 +297,14 @@ def run_rate(
     actual_rate = workload.mean_rate if len(workload.requests) > 1 else 0.0
     load_before = report.loadavg()
     outcome = asyncio.run(
-        run_load(target.url, prepared, limit, target.api_key, f"{target.name} @ {actual_rate:.3g}")
+        run_load(
+            target.url,
+            prepared,
+            limit,
+            target.api_key,
+            f"{target.name} @ {actual_rate:.3g}",
+            args.max_concurrency,
+        )
     )
     summary = summarize(outcome.results, outcome.duration_s, slo)
     print(report.run_line(target.name, actual_rate, summary) + f"   [{workload.describe()}]")
@@ -275,6 +312,7 @@ def run_rate(
         "rate_rps": actual_rate,
         "scaling": workload.scaling,
         "workload": workload.describe(),
+        "max_concurrency": args.max_concurrency,
         "max_run_s": limit,
         "loadavg": {"before": load_before, "after": report.loadavg()},  # a shared machine?
         "summary": summary,

@@ -1,4 +1,6 @@
 """Open-loop load client: sends each request at its arrival time and streams the answer.
+With `max_concurrency`, as in `vllm bench serve`, a request that arrives while that many are
+in flight waits for one to finish (the arrival schedule is kept; the sent rate may fall).
 
 asyncio + httpx against an OpenAI-compatible gateway. Per request it records the time to
 the first streamed token (TTFT), the gaps between streamed chunks (ITL), the end-to-end
@@ -144,10 +146,13 @@ async def run_load(
     max_run_s: float,
     api_key: str | None = None,
     desc: str = "",
+    max_concurrency: int | None = None,
 ) -> RunOutcome:
-    """Open loop: request i is sent at its arrival time whatever the others are doing."""
+    """Open loop: request i is sent at its arrival time whatever the others are doing, or,
+    with `max_concurrency`, at its arrival time or when a slot frees, whichever is later."""
     results = [RequestResult(r.spec) for r in requests]
     bar = tqdm(total=len(requests), desc=desc, unit="req", leave=False, dynamic_ncols=True)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     async with make_client(api_key) as client:
         start = time.perf_counter()
         deadline = start + max_run_s
@@ -158,8 +163,7 @@ async def run_load(
                 break
             if delay > 0:
                 await asyncio.sleep(delay)
-            result.send_s = time.perf_counter() - start
-            task = asyncio.ensure_future(stream_one(client, url, request, result))
+            task = asyncio.ensure_future(_send(client, url, request, result, start, slots))
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
         for result in results[len(tasks) :]:
@@ -172,6 +176,28 @@ async def run_load(
         duration = time.perf_counter() - start
     bar.close()
     return RunOutcome(results, duration)
+
+
+async def _send(
+    client: httpx.AsyncClient,
+    url: str,
+    request: PreparedRequest,
+    result: RequestResult,
+    start: float,
+    slots: asyncio.Semaphore | None,
+) -> RequestResult:
+    """Stream one request once a concurrency slot is free (at once without `slots`);
+    `send_s` is when it goes out."""
+    if slots is None:
+        result.send_s = time.perf_counter() - start
+        return await stream_one(client, url, request, result)
+    try:
+        async with slots:
+            result.send_s = time.perf_counter() - start
+            return await stream_one(client, url, request, result)
+    except asyncio.CancelledError:  # still waiting for a slot at the run's deadline
+        result.error = "cancelled at the run's deadline, waiting for a --max-concurrency slot"
+        return result
 
 
 class ClientProcess:

@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from benchmarks.client import RequestResult
 
 PERCENTILES = (50, 90, 99)
@@ -145,3 +147,73 @@ def search_rates(
         points.append((mid, attainment))
         lo, hi = (mid, hi) if attainment >= target else (lo, mid)
     return points
+
+
+# ---- `vllm bench serve` result format ---------------------------------------------------
+VLLM_STAT_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def vllm_result(topo: dict[str, Any], run: dict[str, Any], date: str) -> dict[str, Any]:
+    """One run (of results.json) as the object `vllm bench serve --save-result --save-detailed
+    --percentile-metrics ttft,tpot,itl,e2el` writes: aggregates in ms (numpy mean, median,
+    population std, p99; 0 when empty), per-request lists in seconds, failed requests
+    included there with 0 / [] / their error. `start_times` are seconds since the run's
+    start and `queue_times` the wait for a --max-concurrency slot (or send lag)."""
+    reqs = run["requests"]
+    ok = [r for r in reqs if _ok(r)]
+    duration = run["summary"]["duration_s"]
+    total_input = sum(r["prompt_len"] for r in ok)
+    total_output = sum(r["num_output_tokens"] for r in ok)
+    attainment = run["summary"].get("attainment")
+    rate = run["rate_rps"]
+    out: dict[str, Any] = {
+        "date": date,
+        "endpoint_type": "openai",
+        "backend": "openai",
+        "label": topo["name"],
+        "model_id": topo["model"],
+        "tokenizer_id": topo["model"],
+        "num_prompts": len(reqs),
+        "request_rate": rate if rate < math.inf else "inf",
+        "burstiness": 1.0 if run["scaling"].get("source") == "synthetic" else None,
+        "max_concurrency": run.get("max_concurrency"),
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(reqs) - len(ok),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(ok) / duration,
+        "request_goodput": None if attainment is None else attainment * len(reqs) / duration,
+        "output_throughput": total_output / duration,
+        "total_token_throughput": (total_input + total_output) / duration,
+        "input_lens": [r["prompt_len"] for r in reqs],
+        "output_lens": [r["num_output_tokens"] if _ok(r) else 0 for r in reqs],
+        "ttfts": [_s(r["ttft_ms"]) for r in reqs],
+        "itls": [[x / 1e3 for x in r["itl_ms"]] for r in reqs],
+        "latencies": [_s(r["e2e_ms"]) for r in reqs],
+        "start_times": [r["send_s"] for r in reqs],
+        "queue_times": [max(0.0, r["send_s"] - r["arrival_s"]) for r in reqs],
+        "errors": [r["error"] or "" for r in reqs],
+    }
+    samples_ms = {
+        "ttft": [r["ttft_ms"] for r in ok],
+        "tpot": [r["tpot_ms"] for r in ok if r["tpot_ms"] is not None],
+        "itl": [x for r in ok for x in r["itl_ms"]],
+        "e2el": [r["e2e_ms"] for r in ok],
+    }
+    for name in VLLM_STAT_METRICS:
+        values = np.asarray(samples_ms[name] or [0.0], dtype=float)
+        out[f"mean_{name}_ms"] = float(np.mean(values))
+        out[f"median_{name}_ms"] = float(np.median(values))
+        out[f"std_{name}_ms"] = float(np.std(values))
+        out[f"p99_{name}_ms"] = float(np.percentile(values, 99))
+    return out
+
+
+def _ok(r: dict[str, Any]) -> bool:
+    """`RequestResult.ok` of a results.json request."""
+    return r["error"] is None and r["ttft_ms"] is not None and r["e2e_ms"] is not None
+
+
+def _s(ms: float | None) -> float:
+    return 0.0 if ms is None else ms / 1e3

@@ -10,9 +10,11 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.metrics import vllm_result
 from benchmarks.targets import REPO_ROOT
 
 
@@ -332,3 +334,17 @@ def write_all(results: dict[str, Any], out: Path, cdf_rate: float | None = None)
     paths["summary"] = out / "summary.md"
     paths["summary"].write_text(markdown(results), encoding="utf-8")
     return paths
+
+
+def write_vllm_json(results: dict[str, Any], path: Path) -> Path:
+    """Every run as a `vllm bench serve` result object, one JSON object per line (as its
+    --append-result writes them; a single run makes a plain JSON file)."""
+    date = time.strftime("%Y%m%d-%H%M%S")
+    lines = [
+        json.dumps(vllm_result(topo, run, date))
+        for topo in results["topologies"]
+        for run in topo["runs"]
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path

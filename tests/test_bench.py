@@ -3,17 +3,19 @@ smoke run that launches two tiny topologies on the session's Ray."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
 
+import httpx
 import numpy as np
 import pytest
 import yaml
 
-from benchmarks import bench
-from benchmarks.client import RequestResult
-from benchmarks.metrics import Slo, goodput, percentile, search_rates, summarize
+from benchmarks import bench, client, report
+from benchmarks.client import PreparedRequest, RequestResult, run_load
+from benchmarks.metrics import Slo, goodput, percentile, search_rates, summarize, vllm_result
 from benchmarks.workload import (
     FIRST_ORDINARY_TOKEN_ID,
     MAX_RANDOM_TOKEN_ID,
@@ -186,6 +188,125 @@ def test_sweep_without_slo_is_refused(capsys):
     assert code == 2 and "needs SLOs" in capsys.readouterr().err
 
 
+def test_default_trace_is_the_packaged_sample_without_shared(tmp_path):
+    path = bench.default_trace(tmp_path / "shared" / "traces" / "absent.csv")
+    assert path == bench.PACKAGED_TRACE and path.is_file() and "shared" not in path.parts
+    rows = load_trace(path)
+    assert len(rows) == 2000 and rows[0].prompt_len == 374  # the full trace's first rows
+    shared = tmp_path / "full.csv"
+    shared.write_text(TRACE)
+    assert bench.default_trace(shared) == shared
+
+
+def _fake_gateway(monkeypatch, chunk_delay_s, num_tokens=3):
+    """An httpx transport that streams `num_tokens` completion chunks per request; returns
+    a dict whose "peak" is the most requests it had in flight at once."""
+    state = {"in_flight": 0, "peak": 0}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        state["in_flight"] += 1
+        state["peak"] = max(state["peak"], state["in_flight"])
+
+        async def body():
+            try:
+                for _ in range(num_tokens):
+                    await asyncio.sleep(chunk_delay_s)
+                    yield b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+                usage = {"prompt_tokens": 4, "completion_tokens": num_tokens}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            finally:
+                state["in_flight"] -= 1
+
+        return httpx.Response(200, content=body())
+
+    transport = httpx.MockTransport(handler)
+    monkeypatch.setattr(client, "make_client", lambda api_key=None: httpx.AsyncClient(
+        transport=transport))  # fmt: skip
+    return state
+
+
+def _burst(num):
+    return [PreparedRequest(RequestSpec(0.0, 4, 3), "/v1/completions", {}) for _ in range(num)]
+
+
+@pytest.mark.parametrize("max_concurrency, peak", [(None, 6), (2, 2), (1, 1)])
+def test_max_concurrency_caps_requests_in_flight(monkeypatch, max_concurrency, peak):
+    state = _fake_gateway(monkeypatch, chunk_delay_s=0.01)
+    outcome = asyncio.run(run_load("http://gw", _burst(6), 30.0, max_concurrency=max_concurrency))
+    assert state["peak"] == peak
+    assert all(r.ok and r.num_output_tokens == 3 for r in outcome.results)
+    sends = [r.send_s for r in outcome.results]
+    if max_concurrency:  # the rest waited for a slot: sent after the first ones
+        assert min(sends[max_concurrency:]) > max(sends[:max_concurrency])
+
+
+def test_max_concurrency_deadline_cancels_waiting_requests(monkeypatch):
+    _fake_gateway(monkeypatch, chunk_delay_s=0.2)
+    outcome = asyncio.run(run_load("http://gw", _burst(3), 0.05, max_concurrency=1))
+    errors = [r.error for r in outcome.results]
+    assert errors[0] == "cancelled at the run's deadline"
+    assert all("waiting for a --max-concurrency slot" in e for e in errors[1:])
+
+
+def test_max_concurrency_below_one_is_refused(capsys):
+    code = bench.main(["--url", "http://x", "--synthetic", "--rate", "1", "--max-concurrency", "0"])
+    assert code == 2 and "--max-concurrency" in capsys.readouterr().err
+
+
+VLLM_KEYS = {
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
+    "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
+    "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
+    "output_throughput", "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls",
+    "latencies", "start_times", "queue_times", "errors",
+    *(f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
+      for stat in ("mean", "median", "std", "p99")),
+}  # fmt: skip
+
+
+def _synthetic_results():
+    results = [
+        _result(0.1, 1.1, 11),
+        _result(0.3, 0.5, 3),
+        _result(0.2, 0.2, 1),
+        _result(None, None, 0, error="HTTP 500"),
+    ]
+    for r in results[:2]:  # one ITL per token after the first
+        r.itl_s = [(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1)] * (r.num_output_tokens - 1)
+    run = {
+        "rate_rps": 2.0,
+        "scaling": {"source": "synthetic"},
+        "max_concurrency": 2,
+        "summary": summarize(results, 2.0, Slo(ttft_ms=200, tpot_ms=150)),
+        "requests": [r.to_dict() for r in results],
+    }
+    return {"topologies": [{"name": "1P1D", "model": "m", "runs": [run, run]}]}
+
+
+def test_vllm_json_has_vllms_keys_and_units(tmp_path):
+    results = _synthetic_results()
+    topo = results["topologies"][0]
+    out = vllm_result(topo, topo["runs"][0], "20261130-120000")
+    assert set(out) == VLLM_KEYS
+    assert (out["num_prompts"], out["completed"], out["failed"]) == (4, 3, 1)
+    assert (out["max_concurrency"], out["request_rate"], out["burstiness"]) == (2, 2.0, 1.0)
+    assert out["total_input_tokens"] == 30 and out["total_output_tokens"] == 15
+    assert out["request_throughput"] == 1.5 and out["output_throughput"] == 7.5
+    assert out["total_token_throughput"] == 22.5
+    assert out["request_goodput"] == 1.0  # 2 of 4 meet both SLOs (the second's TTFT misses)
+    assert out["ttfts"] == pytest.approx([0.1, 0.3, 0.2, 0.0])  # seconds, 0 for failed
+    assert out["output_lens"] == [11, 3, 1, 0] and out["errors"][3] == "HTTP 500"
+    assert len(out["itls"][0]) == 10 and out["itls"][0][0] == pytest.approx(0.1)
+    assert out["mean_ttft_ms"] == pytest.approx(200.0)
+    assert out["std_ttft_ms"] == pytest.approx(np.std([100, 300, 200]))
+    assert out["median_tpot_ms"] == pytest.approx(100.0)  # mean of 100 and 100: (0.5-0.3)/2
+    assert out["p99_e2el_ms"] == pytest.approx(np.percentile([1100, 500, 200], 99))
+    path = report.write_vllm_json(results, tmp_path / "vllm.jsonl")
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 and set(json.loads(lines[0])) == VLLM_KEYS
+
+
 # ---- smoke run on Ray ---------------------------------------------------------------------
 def _config(tmp_path, model_dir, name, roles):
     data = {
@@ -212,8 +333,13 @@ def test_bench_smoke_two_topologies(ray_session, preset_dir, tmp_path):
     argv = ["--topologies", f"{pd},{mixed}", "--synthetic", "--num-requests", "8",
             "--prompt-len", "24", "--output-len", "6", "--jitter", "0.5", "--rates", "4,16",
             "--slo-scale", "5,3", "--isolated-requests", "2", "--image-fraction", "0.25",
-            "--gateway-overhead", "--overhead-requests", "2", "--out", str(out)]  # fmt: skip
+            "--gateway-overhead", "--overhead-requests", "2", "--out", str(out),
+            "--max-concurrency", "6", "--save-vllm-json", str(out / "vllm.jsonl")]  # fmt: skip
     assert bench.main(argv) == 0
+    vllm_runs = [json.loads(line) for line in (out / "vllm.jsonl").read_text().splitlines()]
+    assert [(v["label"], v["max_concurrency"], v["completed"]) for v in vllm_runs] == [
+        (name, 6, 8) for name in (pd, pd, mixed, mixed)
+    ]
 
     results = json.loads((out / "results.json").read_text())
     assert results["command"].startswith("pdcluster bench --topologies")
