@@ -465,13 +465,13 @@ def write_all(results: dict[str, Any], steps: tuple[RateStep, ...], out: Path) -
 
 # ---- command line -----------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks.bench import DEFAULT_TRACE
+    from benchmarks.bench import default_trace
 
     p = argparse.ArgumentParser(prog="pdcluster bench --elastic", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
     w = p.add_argument_group("workload")
     w.add_argument("--rate-steps", default="0.3:60,1.2:60,0.3:60", help="RATE:SECONDS,...")
-    w.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace CSV (default: %(default)s)")
+    w.add_argument("--trace", default=str(default_trace()), help="trace CSV (default: %(default)s)")
     w.add_argument("--window-start-s", type=float, default=0.0, help="trace window start")
     w.add_argument("--token-scale", type=float, default=1.0, help="× trace prompt/output lengths")
     w.add_argument("--min-prompt-len", type=int, default=4)
