@@ -17,6 +17,7 @@ fresh `asyncio.run` per call) can stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -47,6 +48,7 @@ MAX_RETRIES = 1  # plans of a request after its instance died before it yielded 
 PULL_TIMEOUT_S = 5.0  # a pull unanswered this long marks its instance unhealthy
 RETRY_PULL_S = 0.5  # pause between pulls of an instance that failed
 MEMBERS_POLL_S = 1.0  # how often the pool's membership is re-read
+CLOSE_TIMEOUT_S = 10.0
 LATENCY_REPORT_ROUNDS = 5  # membership polls between two latency reports to the planner
 
 Deliver = Callable[[list[EngineCoreOutput]], None]
@@ -145,9 +147,12 @@ class Front:
         return set(self._pulls_in_flight) | recent
 
     def close(self) -> None:
-        self._call(self._stop()).result(timeout=10)
+        try:
+            self._call(self._stop()).result(timeout=CLOSE_TIMEOUT_S)
+        except TimeoutError:  # something blocked the loop: stop it all the same
+            logger.warning("the front did not stop within %.0f s", CLOSE_TIMEOUT_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=CLOSE_TIMEOUT_S)
 
     def _call(self, coro_or_fn: Any) -> Any:
         if asyncio.iscoroutine(coro_or_fn):
@@ -406,20 +411,36 @@ class Front:
                 logger.exception("reading the instance pool failed")
 
     async def _sync_members_async(self) -> None:
-        members = await asyncio.get_running_loop().run_in_executor(None, self._members)
-        self._apply_members(members)
+        """Read the membership and look up joined instances' handles off the loop (both
+        are blocking Ray calls), then apply it."""
+        lookup = self._members_with_handles
+        members, handles = await asyncio.get_running_loop().run_in_executor(None, lookup)
+        self._apply_members(members, handles)
 
     def _sync_members(self) -> None:
-        self._apply_members(self._members())
+        self._apply_members(*self._members_with_handles())
 
-    def _apply_members(self, members: dict[str, str] | None) -> None:
+    def _members_with_handles(
+        self,
+    ) -> tuple[dict[str, str] | None, dict[str, ActorHandle]]:
+        members = self._members()
+        joined = [iid for iid in members or () if iid not in self._handles]
+        handles = {}
+        for iid in joined:
+            with contextlib.suppress(ValueError):  # gone again already
+                handles[iid] = ray.get_actor(iid)
+        return members, handles
+
+    def _apply_members(
+        self, members: dict[str, str] | None, handles: dict[str, ActorHandle]
+    ) -> None:
         """Start pulling joined instances, drop left ones; None (unknown) changes nothing."""
         if members is None:
             return
-        for iid, role in members.items():
+        for iid, handle in handles.items():
             if iid not in self._handles:
-                self._handles[iid] = ray.get_actor(iid)
-                self.policy.add_instance(iid, role)
+                self._handles[iid] = handle
+                self.policy.add_instance(iid, members[iid])
                 self._pullers[iid] = self._loop.create_task(self._pull_loop(iid))
         for iid in set(self._handles) - set(members):
             self._pullers.pop(iid).cancel()
