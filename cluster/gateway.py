@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import re
@@ -44,6 +45,8 @@ from engine.request import Request as EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer, chat_template_takes_content_parts
 from pdcluster import __version__
+from routing.fanout import fan_out
+from routing.handoff import max_new_tokens
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 DISCONNECT_POLL_S = 0.1
@@ -64,7 +67,11 @@ class ClusterClient(Protocol):
         self, prompt: Any, params: SamplingParams, request_id: str
     ) -> EngineRequest: ...
 
-    def stream(self, request: EngineRequest) -> AsyncIterator[EngineCoreOutput]: ...
+    kv_tokens_per_instance: int
+
+    def stream_group(
+        self, requests: list[EngineRequest]
+    ) -> AsyncIterator[tuple[int, EngineCoreOutput]]: ...
 
     async def stats_async(self) -> list[dict[str, Any]]: ...
 
@@ -92,15 +99,28 @@ class APIError(Exception):
 
 @dataclass
 class _Result:
-    """One prompt's output as it accumulates."""
+    """One sequence's output as it accumulates."""
 
-    index: int
+    index: int  # its choice's
+    prompt_index: int  # the prompt it samples: usage counts each prompt once
     num_prompt_tokens: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(self.logprobs)
+
+
+@dataclass
+class _Group:
+    """The sequences sampling one prompt (n, best_of), run together (`stream_group`)."""
+
+    requests: list[EngineRequest]
+    results: list[_Result]
 
 
 def create_app(
@@ -345,17 +365,24 @@ class _Gateway:
                     "invalid_value",
                     "prompt",
                 )
-            requests = [
-                self._make(p, body.sampling_params(body.max_tokens, body.logprobs)) for p in prompts
+            num_seqs = body.num_seqs()
+            # best_of ranks sequences by their cumulative log-probability
+            logprobs = 0 if body.logprobs is None and num_seqs > body.n else body.logprobs
+            asked_by = "n" if num_seqs == body.n else "best_of"
+            params = body.sampling_params(body.max_tokens, logprobs)
+            groups = [
+                self._group(j, self._make(p, params), num_seqs, asked_by)
+                for j, p in enumerate(prompts)
             ]
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._completion_chunks(rid, requests, include_usage, body.logprobs)
+            chunks = self._completion_chunks(rid, groups, include_usage, body.logprobs)
             return EventStreamResponse(chunks)
-        results = await self._run_to_end(http, requests)
+        await self._run_to_end(http, groups)
+        results = [r for g in groups for r in _best(g.results, body.n)]
         choices = [
             {
                 "index": r.index,
@@ -372,7 +399,7 @@ class _Gateway:
                 "created": int(time.time()),
                 "model": self.model_name,
                 "choices": choices,
-                "usage": _usage(results),
+                "usage": _usage([r for g in groups for r in g.results]),
             }
         )
 
@@ -386,29 +413,32 @@ class _Gateway:
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             params = body.sampling_params(body.max_new_tokens(), 0 if body.logprobs else None)
-            requests = [self._make(prompt, params)]
+            group = self._group(0, self._make(prompt, params), body.n, "n")
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._chat_chunks(rid, requests[0], include_usage, body.logprobs)
+            chunks = self._chat_chunks(rid, group, include_usage, body.logprobs)
             return EventStreamResponse(chunks)
-        result = (await self._run_to_end(http, requests))[0]
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": self._chat_logprobs(result.token_ids, result.logprobs, body.logprobs),
-            "finish_reason": result.finish_reason,
-        }
+        await self._run_to_end(http, [group])
+        choices = [
+            {
+                "index": r.index,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": self._chat_logprobs(r.token_ids, r.logprobs, body.logprobs),
+                "finish_reason": r.finish_reason,
+            }
+            for r in group.results
+        ]
         return JSONResponse(
             {
                 "id": rid,
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [choice],
-                "usage": _usage([result]),
+                "choices": choices,
+                "usage": _usage(group.results),
             }
         )
 
@@ -491,6 +521,28 @@ class _Gateway:
             )
         return request
 
+    def _group(
+        self, prompt_index: int, request: EngineRequest, num_seqs: int, asked_by: str
+    ) -> _Group:
+        """The prompt's `num_seqs` sequences. Planned onto one instance together, they must
+        all fit its KV cache at once (`asked_by`: the body field that asked for them)."""
+        max_new = max_new_tokens(request, self.max_model_len)
+        capacity = self.cluster.kv_tokens_per_instance
+        if num_seqs > 1 and num_seqs * (request.num_prompt_tokens + max_new) > capacity:
+            raise APIError(
+                400,
+                f"{asked_by}: {num_seqs} sequences of {request.num_prompt_tokens} prompt tokens and "
+                f"up to {max_new} new tokens each exceed the {capacity} tokens of KV cache one "
+                f"instance holds; lower {asked_by} or max_tokens",
+                "invalid_value",
+                asked_by,
+            )
+        first = prompt_index * num_seqs
+        results = [
+            _Result(first + i, prompt_index, request.num_prompt_tokens) for i in range(num_seqs)
+        ]
+        return _Group(fan_out(request, num_seqs), results)
+
     async def _fetch_image(self, url: str) -> Any:
         """A data: URL, or an http(s) URL whose host the config allow-lists (no other
         server-side fetch is ever made)."""
@@ -509,35 +561,44 @@ class _Gateway:
 
     # ---- running ---------------------------------------------------------------------
     async def _outputs(
-        self, result: _Result, request: EngineRequest
-    ) -> AsyncGenerator[EngineCoreOutput, None]:
-        """Drive one request, accumulating `result` and recording latency metrics."""
-        start = last = time.perf_counter()
-        self.metrics.prompt_tokens.inc(request.num_prompt_tokens)
-        async for out in self.cluster.stream(request):
-            now = time.perf_counter()
-            if out.new_token_ids:
-                (self.metrics.itl if result.token_ids else self.metrics.ttft).observe(now - last)
-                last = now
-                self.metrics.generated_tokens.inc(len(out.new_token_ids))
-            result.text += out.new_text
-            result.token_ids += out.new_token_ids
-            result.logprobs += out.new_logprobs or []
-            if out.finished:
-                result.finish_reason, result.error = out.finish_reason, out.error
-            yield out
-        self.metrics.e2e.observe(time.perf_counter() - start)
-        self.metrics.requests.labels(result.finish_reason or "abort").inc()
+        self, group: _Group
+    ) -> AsyncGenerator[tuple[_Result, EngineCoreOutput], None]:
+        """Drive one prompt's sequences, accumulating their results and recording latency
+        metrics (closing this aborts the unfinished ones)."""
+        start = time.perf_counter()
+        last = [start] * len(group.results)
+        self.metrics.prompt_tokens.inc(group.requests[0].num_prompt_tokens)
+        stream = self.cluster.stream_group(group.requests)
+        async with contextlib.aclosing(stream) as outputs:
+            async for i, out in outputs:
+                result, now = group.results[i], time.perf_counter()
+                if out.new_token_ids:
+                    (self.metrics.itl if result.token_ids else self.metrics.ttft).observe(
+                        now - last[i]
+                    )
+                    last[i] = now
+                    self.metrics.generated_tokens.inc(len(out.new_token_ids))
+                result.text += out.new_text
+                result.token_ids += out.new_token_ids
+                result.logprobs += out.new_logprobs or []
+                if out.finished:
+                    result.finish_reason, result.error = out.finish_reason, out.error
+                    self.metrics.e2e.observe(now - start)
+                    self.metrics.requests.labels(out.finish_reason).inc()
+                yield result, out
 
-    async def _collect(self, index: int, request: EngineRequest) -> _Result:
-        result = _Result(index, request.num_prompt_tokens)
-        async for _ in self._outputs(result, request):
-            pass
-        return result
+    async def _run_to_end(self, http: Request, groups: list[_Group]) -> None:
+        """Non-streaming: every sequence at once, into its result. A client that disconnects,
+        or a sequence that fails, aborts the others."""
 
-    async def _run_to_end(self, http: Request, requests: list[EngineRequest]) -> list[_Result]:
-        """Non-streaming: all prompts at once; a client that disconnects aborts them."""
-        work = asyncio.gather(*(self._collect(i, r) for i, r in enumerate(requests)))
+        async def drain() -> None:
+            async with contextlib.aclosing(self._merged(groups)) as outputs:
+                async for result, out in outputs:
+                    if out.finish_reason == "error":
+                        message = result.error or "the request failed"
+                        raise APIError(500, message, "request_failed")
+
+        work = asyncio.ensure_future(drain())
         watch = asyncio.ensure_future(_wait_disconnect(http))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -546,49 +607,43 @@ class _Gateway:
                 raise APIError(499, "client closed the request", "client_closed")
         finally:
             watch.cancel()
-        results = work.result()
-        failed = [r for r in results if r.finish_reason == "error"]
-        if failed:
-            raise APIError(500, failed[0].error or "the request failed", "request_failed")
-        return results
+        work.result()
 
     async def _merged(
-        self, requests: list[EngineRequest]
-    ) -> AsyncGenerator[tuple[int, EngineCoreOutput, _Result], None]:
-        """Outputs of several requests as they arrive (closing this aborts all of them)."""
-        results = [_Result(i, r.num_prompt_tokens) for i, r in enumerate(requests)]
-        if len(requests) == 1:  # no task and queue hop between the cluster and the client
-            async with contextlib.aclosing(self._outputs(results[0], requests[0])) as outputs:
-                async for out in outputs:
-                    yield 0, out, results[0]
+        self, groups: list[_Group]
+    ) -> AsyncGenerator[tuple[_Result, EngineCoreOutput], None]:
+        """Outputs of several prompts' sequences as they arrive (closing this aborts all)."""
+        if len(groups) == 1:  # no task and queue hop between the cluster and the client
+            async with contextlib.aclosing(self._outputs(groups[0])) as outputs:
+                async for item in outputs:
+                    yield item
             return
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(result: _Result, request: EngineRequest) -> None:
-            async for out in self._outputs(result, request):
-                queue.put_nowait((result.index, out, result))
+        async def pump(group: _Group) -> None:
+            async with contextlib.aclosing(self._outputs(group)) as outputs:
+                async for item in outputs:
+                    queue.put_nowait(item)
 
-        tasks = [asyncio.ensure_future(pump(*pair)) for pair in zip(results, requests)]
-        remaining = len(requests)
+        tasks = [asyncio.ensure_future(pump(group)) for group in groups]
+        remaining = sum(len(g.results) for g in groups)
         try:
             while remaining:
-                index, out, result = await queue.get()
+                result, out = await queue.get()
                 remaining -= out.finished
-                yield index, out, result
+                yield result, out
         finally:
             for task in tasks:
                 task.cancel()
 
     async def _completion_chunks(
-        self, rid: str, requests: list[EngineRequest], include_usage: bool, logprobs: int | None
+        self, rid: str, groups: list[_Group], include_usage: bool, logprobs: int | None
     ) -> AsyncGenerator[bytes, None]:
         sse = ChunkEncoder(rid, "text_completion", int(time.time()), self.model_name)
-        results: dict[int, _Result] = {}
-        async with contextlib.aclosing(self._merged(requests)) as outputs:
-            async for index, out, result in outputs:
-                results[index] = result
+        async with contextlib.aclosing(self._merged(groups)) as outputs:
+            async for result, out in outputs:
                 choice = {
-                    "index": index,
+                    "index": result.index,
                     "text": out.new_text,
                     "logprobs": self._completion_logprobs(
                         out.new_token_ids, out.new_logprobs or [], logprobs
@@ -599,26 +654,28 @@ class _Gateway:
                     choice["error"] = out.error
                 yield sse.event([choice])
         if include_usage:
-            yield sse.event([], _usage(list(results.values())))
+            yield sse.event([], _usage([r for g in groups for r in g.results]))
         yield DONE
 
     async def _chat_chunks(
-        self, rid: str, request: EngineRequest, include_usage: bool, logprobs: bool
+        self, rid: str, group: _Group, include_usage: bool, logprobs: bool
     ) -> AsyncGenerator[bytes, None]:
         sse = ChunkEncoder(rid, "chat.completion.chunk", int(time.time()), self.model_name)
         role = {"role": "assistant", "content": ""}
-        yield sse.event([{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}])
-        final, num_sent = None, 0  # tokens whose logprobs went out (held-back text waits)
-        async with contextlib.aclosing(self._merged([request])) as outputs:
-            async for _, out, result in outputs:
-                final = result
+        for result in group.results:
+            choice = {"index": result.index, "delta": role, "logprobs": None, "finish_reason": None}
+            yield sse.event([choice])
+        num_sent = [0] * len(group.results)  # tokens whose logprobs went out (held-back text waits)
+        async with contextlib.aclosing(self._merged([group])) as outputs:
+            async for result, out in outputs:
                 if not out.new_text and not out.finished:
                     continue  # text held back (an incomplete character, a possible stop string)
                 delta = {"content": out.new_text} if out.new_text else {}
-                ids, lps = result.token_ids[num_sent:], result.logprobs[num_sent:]
-                num_sent = len(result.token_ids)
+                sent = num_sent[result.index]
+                ids, lps = result.token_ids[sent:], result.logprobs[sent:]
+                num_sent[result.index] = len(result.token_ids)
                 choice = {
-                    "index": 0,
+                    "index": result.index,
                     "delta": delta,
                     "logprobs": self._chat_logprobs(ids, lps, logprobs),
                     "finish_reason": out.finish_reason,
@@ -626,8 +683,8 @@ class _Gateway:
                 if out.finish_reason == "error":
                     choice["error"] = out.error
                 yield sse.event([choice])
-        if include_usage and final is not None:
-            yield sse.event([], _usage([final]))
+        if include_usage:
+            yield sse.event([], _usage(group.results))
         yield DONE
 
     # ---- logprobs --------------------------------------------------------------------
@@ -664,13 +721,23 @@ class _Gateway:
 
 
 def _usage(results: list[_Result]) -> dict[str, int]:
-    prompt = sum(r.num_prompt_tokens for r in results)
+    """Each prompt counted once, however many sequences sampled it; every sequence's tokens."""
+    prompt = sum({r.prompt_index: r.num_prompt_tokens for r in results}.values())
     completion = sum(len(r.token_ids) for r in results)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+def _best(results: list[_Result], n: int) -> list[_Result]:
+    """The n results of one prompt with the highest cumulative log-probability (best_of),
+    as choices numbered after the prompt's."""
+    if len(results) == n:
+        return results
+    ranked = sorted(results, key=lambda r: r.cumulative_logprob, reverse=True)[:n]
+    return [dataclasses.replace(r, index=r.prompt_index * n + i) for i, r in enumerate(ranked)]
 
 
 def _download(url: str, max_bytes: int) -> bytes:

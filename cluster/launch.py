@@ -90,6 +90,11 @@ class Cluster:
         """Outputs of one request as they arrive; leaving early aborts it everywhere."""
         return self.front.stream(request)
 
+    def stream_group(self, requests: list[Request]) -> AsyncIterator[tuple[int, EngineCoreOutput]]:
+        """(index, output) of requests sampling one prompt, planned together so the prompt is
+        computed once (see `Front.stream_group`); leaving early aborts them all."""
+        return self.front.stream_group(requests)
+
     @property
     def instances(self) -> dict[str, tuple[str, ray.actor.ActorHandle]]:
         """instance id -> (role, actor handle), as this replica sees the pool now."""
@@ -136,6 +141,13 @@ class Cluster:
     def max_model_len(self) -> int:
         roles = [r for r in ("decode", "mixed", "prefill") if self.config.role(r).count]
         return self.config.engine_settings(roles[0]).max_model_len
+
+    @property
+    def kv_tokens_per_instance(self) -> int:
+        """The KV tokens of the smallest pool that holds a request's sequences to the end."""
+        roles = [r for r in ("decode", "mixed") if self.config.role(r).count] or ["prefill"]
+        settings = [self.config.engine_settings(r) for r in roles]
+        return min(s.num_blocks * s.block_size for s in settings)
 
     def wait_idle(self, timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Wait until every instance holds nothing (all blocks free, no request, no pending

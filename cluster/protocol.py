@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 8
 MAX_SEED = 2**63 - 1
+MAX_N = 128  # sequences (n, best_of) one prompt may sample
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -50,19 +51,12 @@ class _SamplingFields(_Body):
     ignore_eos: bool = Field(False, description="keep generating past EOS")
     stream: bool = Field(False, description="server-sent events, ending with [DONE]")
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, description="not supported past 1: one completion per prompt")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices to return for each prompt")
     presence_penalty: FiniteFloat = Field(0.0, description="not supported: 0 only")
     frequency_penalty: FiniteFloat = Field(0.0, description="not supported: 0 only")
     repetition_penalty: FiniteFloat = Field(1.0, description="vLLM's; not supported: 1 only")
     logit_bias: dict[str, FiniteFloat] | None = Field(None, description="not supported: empty")
     user: str | None = Field(None, max_length=256, description="ignored")
-
-    @field_validator("n")
-    @classmethod
-    def _check_n(cls, n: int) -> int:
-        if n > 1:
-            raise unsupported("n > 1 is not supported")
-        return n
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -128,7 +122,13 @@ class CompletionRequest(_SamplingFields):
     )
     echo: bool = Field(False, description="not supported: false only")
     suffix: str | None = Field(None, description="not supported: empty only")
-    best_of: int | None = Field(None, ge=1, description="not supported past 1")
+    best_of: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_N,
+        description="sequences sampled per prompt (default n), of which the n with the highest "
+        "cumulative log-probability are returned; not streamed when above n",
+    )
 
     @field_validator("logprobs")
     @classmethod
@@ -156,10 +156,17 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("best_of")
     @classmethod
-    def _check_best_of(cls, best_of: int | None) -> int | None:
-        if best_of is not None and best_of > 1:
-            raise unsupported("best_of > 1 is not supported")
+    def _check_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of < n:
+            raise invalid(f"best_of ({best_of}) must be at least n ({n})")
+        if best_of is not None and best_of > n and info.data.get("stream"):
+            raise unsupported("best_of > n cannot be streamed (stream: false only)")
         return best_of
+
+    def num_seqs(self) -> int:
+        """Sequences sampled per prompt."""
+        return self.best_of or self.n
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -15,7 +15,7 @@ from engine.config import CacheConfig
 from engine.models.loader import ModelInfo
 from engine.outputs import NewRequestData, RunnerOutput, SchedulerOutput
 from engine.request import MultiModalFeature
-from engine.sampler import make_generator, sample
+from engine.sampler import make_generator, position_seed, sample
 from engine.sampling_params import SamplingParams
 
 
@@ -129,6 +129,9 @@ class ModelRunner:
         if rows:
             logits = self.model.compute_logits(last_hidden[rows])  # [len(rows), vocab]
             picked = [states[i] for i in rows]
+            for s in picked:
+                if s.generator is not None:  # seeded: each position has its own draw
+                    s.generator.manual_seed(position_seed(s.sampling_params.seed, len(s.token_ids)))
             token_ids, token_logprobs = sample(
                 logits, [s.sampling_params for s in picked], [s.generator for s in picked]
             )

@@ -45,9 +45,17 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    """A per-request generator for a seeded request; None uses torch's global RNG."""
-    if seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+    """A per-request generator for a seeded request, seeded before each draw (see
+    `position_seed`); None uses torch's global RNG."""
+    return None if seed is None else torch.Generator(device=device)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the draw for the token at `position` of a seeded request's sequence. A
+    function of the position alone, so the draws do not depend on where earlier tokens were
+    sampled: a D continuing after P's first token samples what a colocated instance would."""
+    mask = (1 << 64) - 1
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & mask  # splitmix64's finalizer below
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
