@@ -149,7 +149,7 @@ def test_chat_streaming_with_image(client, model_dir, reference, cluster):
         ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
         ({"model": MODEL, "prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
-        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
         ({"prompt": "x"}, 400, "model"),
     ],
@@ -164,8 +164,8 @@ def test_completion_errors_are_openai_shaped_4xx(base_url, body, status, needle)
 @pytest.mark.parametrize(
     ("path", "fields", "message"),
     [
-        ("completions", {"n": 2}, "n > 1 is not supported"),
-        ("completions", {"best_of": 3}, "best_of > 1 is not supported"),
+        ("completions", {"n": 2, "best_of": 1}, "best_of (1) must be at least n (2)"),
+        ("completions", {"stream": True, "best_of": 3}, "best_of > n cannot be streamed"),
         ("completions", {"presence_penalty": 0.5}, "presence_penalty is not supported (only 0)"),
         ("chat", {"frequency_penalty": -1}, "frequency_penalty is not supported (only 0)"),
         ("chat", {"repetition_penalty": 1.2}, "repetition_penalty is not supported (only 1)"),
