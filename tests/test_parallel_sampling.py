@@ -82,12 +82,16 @@ def test_a_seeded_continuation_samples_what_the_whole_request_did(llm):
 
 
 # ---- cluster -----------------------------------------------------------------------------
-async def stream_all(cluster, requests: list[Request]) -> list[list[int]]:
+async def stream_all(cluster, requests: list[Request]) -> tuple[list[list[int]], list[int]]:
+    """Each request's tokens, and the prompt tokens its first instance found cached."""
     tokens: list[list[int]] = [[] for _ in requests]
+    cached: list[int | None] = [None] * len(requests)
     async for index, out in cluster.stream_group(requests):
         assert out.finish_reason != "error", out.error
         tokens[index] += out.new_token_ids
-    return tokens
+        if cached[index] is None:
+            cached[index] = out.num_cached_tokens
+    return tokens, cached
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +105,15 @@ def test_disaggregated_children_equal_colocated_and_share_the_prompt_on_prefill(
     expected = list(run(llm, children(llm, "local", SEEDED)).values())
     p_before, d_before = instance_stats(pd, "prefill"), instance_stats(pd, "decode")
     requests = fan_out(pd.make_request({"prompt_token_ids": PROMPT}, SEEDED), N)
-    assert asyncio.run(stream_all(pd, requests)) == expected
+    tokens, cached_on_prefill = asyncio.run(stream_all(pd, requests))
+    assert tokens == expected
     assert_clean(pd, baseline)
+    # P computed the prompt's full blocks once: every other child found them cached.
+    assert sorted(cached_on_prefill) == [0] + [SHARED_TOKENS] * (N - 1)
     p_after, d_after = instance_stats(pd, "prefill"), instance_stats(pd, "decode")
     hits = p_after["num_prefix_hit_tokens"] - p_before["num_prefix_hit_tokens"]
-    assert hits >= (N - 1) * SHARED_TOKENS  # P computed the prompt's full blocks once
-    # D reads each child's KV through the connector: one load per child.
+    assert hits >= (N - 1) * SHARED_TOKENS
+    # Each child's KV reaches D through the connector on its own: one load per child.
     assert d_after["num_loads"] - d_before["num_loads"] == N
 
 
