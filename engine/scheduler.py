@@ -135,8 +135,9 @@ class Scheduler:
             )
             + len(self._aborted_recving),
             "num_preemptions": self.num_preemptions,
-            "num_prefix_query_tokens": kv.num_prefix_queries,  # looked up in the prefix cache
-            "num_prefix_hit_tokens": kv.num_prefix_hits,  # found there: not computed again
+            # Tokens looked up in the prefix cache, and found there, at each admission try.
+            "num_prefix_query_tokens": kv.num_prefix_queries,
+            "num_prefix_hit_tokens": kv.num_prefix_hits,
             "num_encoder_cache_refs": self.encoder_cache_manager.num_referenced_entries(),
             **self._load(),
         }
