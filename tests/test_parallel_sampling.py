@@ -134,3 +134,23 @@ def test_leaving_a_group_early_aborts_every_child_everywhere(pd):
 
     assert asyncio.run(leave_after_some_tokens()) == set(range(N))
     assert_clean(pd, baseline)
+
+
+def test_a_failed_child_ends_alone_and_leaves_nothing(pd):
+    baseline = live_object_ids()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    requests = fan_out(pd.make_request({"prompt_token_ids": PROMPT}, params), 3)
+    requests[2].request_id = requests[0].request_id  # refused: that id is in flight
+
+    async def outcomes() -> dict[int, tuple[str, int]]:
+        ends: dict[int, tuple[str, int]] = {}
+        num_tokens = [0] * len(requests)
+        async for index, out in pd.stream_group(requests):
+            num_tokens[index] += len(out.new_token_ids)
+            if out.finished:
+                ends[index] = (out.finish_reason, num_tokens[index])
+        return ends
+
+    ends = asyncio.run(outcomes())
+    assert ends == {0: ("length", 4), 1: ("length", 4), 2: ("error", 0)}
+    assert_clean(pd, baseline)
