@@ -94,6 +94,11 @@ class EngineCore:
         vocab = self.model_info.vocab_size
         if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        outside = [t for t in request.sampling_params.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(
+                f"logit_bias: token id {outside[0]} is outside this model's vocabulary [0, {vocab})"
+            )
         if request.mm_features and not self.model_info.is_multimodal:
             raise ValueError("this model does not accept images")
 

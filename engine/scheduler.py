@@ -34,7 +34,13 @@ from connectors.base import ECConnectorBase, KVConnectorBase
 from engine.config import CacheConfig, SchedulerConfig
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import EngineCoreOutput, NewRequestData, RunnerOutput, SchedulerOutput
+from engine.outputs import (
+    EngineCoreOutput,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+    TopLogprobs,
+)
 from engine.request import Request, RequestStatus
 from engine.scheduler_step import (
     StepState,
@@ -403,6 +409,7 @@ class Scheduler:
                     request.sampling_params,
                     block_ids,
                     request.num_computed_tokens,
+                    request.num_prior_output_tokens,
                 )
             )
         request.status = RequestStatus.RUNNING
@@ -437,6 +444,7 @@ class Scheduler:
         index_of = runner_output.req_id_to_index
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
+        top_logprobs = runner_output.top_logprobs
         requests = self.requests
         running_status = RequestStatus.RUNNING
         num_stopped = 0
@@ -451,7 +459,12 @@ class Scheduler:
             i = index_of.get(rid)
             if i is None or not sampled[i]:
                 continue  # partial prefill: no token
-            output = self._append_tokens(request, sampled[i], logprobs[i] if logprobs else None)
+            output = self._append_tokens(
+                request,
+                sampled[i],
+                logprobs[i] if logprobs else None,
+                top_logprobs[i] if top_logprobs else None,
+            )
             if output.finish_reason is not None:
                 num_stopped += 1
             outputs.append(output)
@@ -472,7 +485,11 @@ class Scheduler:
         self._publish_after_step = []
 
     def _append_tokens(
-        self, request: Request, token_ids: list[int], logprobs: list[float] | None
+        self,
+        request: Request,
+        token_ids: list[int],
+        logprobs: list[float] | None,
+        top_logprobs: list[TopLogprobs] | None,
     ) -> EngineCoreOutput:
         new_token_ids = token_ids
         status = None
@@ -488,6 +505,7 @@ class Scheduler:
             request.request_id,
             new_token_ids,
             logprobs[: len(new_token_ids)] if logprobs else None,
+            top_logprobs[: len(new_token_ids)] if top_logprobs else None,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
         if status is not None:
