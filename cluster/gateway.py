@@ -39,7 +39,7 @@ from cluster.protocol import (
 )
 from cluster.sse import DONE, ChunkEncoder, EventStreamResponse
 from engine.multimodal import decode_data_url, load_image
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, TopLogprobs
 from engine.request import Request as EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer, chat_template_takes_content_parts
@@ -99,6 +99,7 @@ class _Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when alternatives were asked
     finish_reason: str | None = None
     error: str | None = None
 
@@ -345,22 +346,24 @@ class _Gateway:
                     "invalid_value",
                     "prompt",
                 )
-            requests = [
-                self._make(p, body.sampling_params(body.max_tokens, body.logprobs)) for p in prompts
-            ]
+            params = self._sampling_params(body, body.max_tokens, body.logprobs)
+            requests = [self._make(p, params) for p in prompts]
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
+        echoes = [self._echo(p) for p in prompts] if body.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._completion_chunks(rid, requests, include_usage, body.logprobs)
+            chunks = self._completion_chunks(rid, requests, include_usage, body.logprobs, echoes)
             return EventStreamResponse(chunks)
         results = await self._run_to_end(http, requests)
         choices = [
             {
                 "index": r.index,
-                "text": r.text,
-                "logprobs": self._completion_logprobs(r.token_ids, r.logprobs, body.logprobs),
+                "text": (echoes[r.index] if echoes else "") + r.text,
+                "logprobs": self._completion_logprobs(
+                    r.token_ids, r.logprobs, r.top_logprobs, body.logprobs
+                ),
                 "finish_reason": r.finish_reason,
             }
             for r in results
@@ -385,7 +388,7 @@ class _Gateway:
             prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
-            params = body.sampling_params(body.max_new_tokens(), 0 if body.logprobs else None)
+            params = self._sampling_params(body, body.max_new_tokens(), body.num_logprobs())
             requests = [self._make(prompt, params)]
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
@@ -398,7 +401,9 @@ class _Gateway:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": result.text},
-            "logprobs": self._chat_logprobs(result.token_ids, result.logprobs, body.logprobs),
+            "logprobs": self._chat_logprobs(
+                result.token_ids, result.logprobs, result.top_logprobs, body.logprobs
+            ),
             "finish_reason": result.finish_reason,
         }
         return JSONResponse(
@@ -449,6 +454,31 @@ class _Gateway:
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     # ---- request building ------------------------------------------------------------
+    def _sampling_params(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        params = body.sampling_params(max_tokens, logprobs)
+        vocab_size = self.cluster.tokenizer.vocab_size
+        outside = [t for t in params.logit_bias if t >= vocab_size]
+        if outside:
+            raise APIError(
+                400,
+                f"logit_bias: {outside[0]} is not a token id of this model "
+                f"(vocabulary of {vocab_size})",
+                "invalid_value",
+                "logit_bias",
+            )
+        return params
+
+    def _echo(self, prompt: str | list[int]) -> str:
+        """The prompt as `echo` puts it before a completion's text."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.cluster.tokenizer.decode(prompt, skip_special_tokens=False)
+
     @cached_property
     def _template_takes_content_parts(self) -> bool:
         template = self.cluster.tokenizer.chat_template
@@ -523,6 +553,7 @@ class _Gateway:
             result.text += out.new_text
             result.token_ids += out.new_token_ids
             result.logprobs += out.new_logprobs or []
+            result.top_logprobs += out.new_top_logprobs or []
             if out.finished:
                 result.finish_reason, result.error = out.finish_reason, out.error
             yield out
@@ -580,10 +611,18 @@ class _Gateway:
                 task.cancel()
 
     async def _completion_chunks(
-        self, rid: str, requests: list[EngineRequest], include_usage: bool, logprobs: int | None
+        self,
+        rid: str,
+        requests: list[EngineRequest],
+        include_usage: bool,
+        logprobs: int | None,
+        echoes: list[str] | None,
     ) -> AsyncGenerator[bytes, None]:
         sse = ChunkEncoder(rid, "text_completion", int(time.time()), self.model_name)
         results: dict[int, _Result] = {}
+        for index, echo in enumerate(echoes or []):
+            choice = {"index": index, "text": echo, "logprobs": None, "finish_reason": None}
+            yield sse.event([choice])
         async with contextlib.aclosing(self._merged(requests)) as outputs:
             async for index, out, result in outputs:
                 results[index] = result
@@ -591,7 +630,10 @@ class _Gateway:
                     "index": index,
                     "text": out.new_text,
                     "logprobs": self._completion_logprobs(
-                        out.new_token_ids, out.new_logprobs or [], logprobs
+                        out.new_token_ids,
+                        out.new_logprobs or [],
+                        out.new_top_logprobs or [],
+                        logprobs,
                     ),
                     "finish_reason": out.finish_reason,
                 }
@@ -616,11 +658,12 @@ class _Gateway:
                     continue  # text held back (an incomplete character, a possible stop string)
                 delta = {"content": out.new_text} if out.new_text else {}
                 ids, lps = result.token_ids[num_sent:], result.logprobs[num_sent:]
+                tops = result.top_logprobs[num_sent:]
                 num_sent = len(result.token_ids)
                 choice = {
                     "index": 0,
                     "delta": delta,
-                    "logprobs": self._chat_logprobs(ids, lps, logprobs),
+                    "logprobs": self._chat_logprobs(ids, lps, tops, logprobs),
                     "finish_reason": out.finish_reason,
                 }
                 if out.finish_reason == "error":
@@ -631,36 +674,57 @@ class _Gateway:
         yield DONE
 
     # ---- logprobs --------------------------------------------------------------------
-    # Only the sampled token's log-probability: top-N entries are refused at parse time.
+    # `tops` is empty when the request asked for no alternatives, else one per token.
     def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[float], wanted: int | None
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        tops: list[TopLogprobs],
+        wanted: int | None,
     ) -> dict[str, Any] | None:
+        """OpenAI's legacy shape: per token, a {token: logprob} of the likeliest `wanted`
+        and the sampled one."""
         if wanted is None:
             return None
-        tokens = [self.cluster.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+        tokens = [self._token_text(t) for t in token_ids]
+        top_logprobs = []
+        for i, (token, lp) in enumerate(zip(tokens, logprobs)):
+            entry = dict(self._alternatives(tops[i])) if tops else {}
+            entry.setdefault(token, lp)
+            top_logprobs.append(entry)
         return {
             "tokens": tokens,
             "token_logprobs": logprobs,
-            "top_logprobs": None,
+            "top_logprobs": top_logprobs,
             "text_offset": None,
         }
 
     def _chat_logprobs(
-        self, token_ids: list[int], logprobs: list[float], wanted: bool
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        tops: list[TopLogprobs],
+        wanted: bool,
     ) -> dict[str, Any] | None:
         if not wanted:
             return None
-        tok = self.cluster.tokenizer
-        content = [
-            {
-                "token": tok.decode([t], skip_special_tokens=False),
-                "logprob": lp,
-                "bytes": None,
-                "top_logprobs": [],
-            }
-            for t, lp in zip(token_ids, logprobs)
-        ]
+        content = []
+        for i, (token_id, lp) in enumerate(zip(token_ids, logprobs)):
+            entry = _chat_entry(self._token_text(token_id), lp)
+            alternatives = self._alternatives(tops[i]) if tops else []
+            entry["top_logprobs"] = [_chat_entry(t, alt_lp) for t, alt_lp in alternatives]
+            content.append(entry)
         return {"content": content}
+
+    def _alternatives(self, top: TopLogprobs) -> list[tuple[str, float]]:
+        return [(self._token_text(t), lp) for t, lp in zip(top.token_ids, top.logprobs)]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.cluster.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 def _usage(results: list[_Result]) -> dict[str, int]:
