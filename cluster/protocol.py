@@ -15,6 +15,7 @@ from engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_PRESENCE_FREQUENCY_PENALTY,
+    MAX_REPETITION_PENALTY,
     SamplingParams,
 )
 
@@ -69,7 +70,10 @@ class _SamplingFields(_Body):
         description="subtracted from a token's logit once per time it was generated",
     )
     repetition_penalty: FiniteFloat = Field(
-        1.0, gt=0, description="vLLM's: logits of prompt and generated tokens, > 0 divided"
+        1.0,
+        ge=1 / MAX_REPETITION_PENALTY,
+        le=MAX_REPETITION_PENALTY,
+        description="vLLM's: on prompt and generated tokens, positive logits divided by it",
     )
     logit_bias: dict[str, FiniteFloat] | None = Field(
         None, description="token id -> bias in [-100, 100], added to its logit"

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20  # most alternatives `logprobs` may ask for per token
 MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI
 MAX_PRESENCE_FREQUENCY_PENALTY = 2.0  # |penalty| at most, as OpenAI
+# Kept within [1/MAX, MAX] so that penalized logits stay finite through temperature.
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass
@@ -77,8 +79,12 @@ class SamplingParams:
             value = getattr(self, name)
             if not _finite(value) or not -limit <= value <= limit:
                 raise ValueError(f"{name} must be in [-{limit}, {limit}], got {value}")
-        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        high = MAX_REPETITION_PENALTY
+        if not _finite(self.repetition_penalty) or not 1 / high <= self.repetition_penalty <= high:
+            raise ValueError(
+                f"repetition_penalty must be in [{1 / high:g}, {high:g}], "
+                f"got {self.repetition_penalty}"
+            )
         for token_id, bias in self.logit_bias.items():
             if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
                 raise ValueError(

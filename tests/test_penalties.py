@@ -122,6 +122,7 @@ def test_sampling_params_validation():
         {"presence_penalty": 2.5},
         {"frequency_penalty": -3},
         {"repetition_penalty": 0},
+        {"repetition_penalty": 1e-30},
         {"logit_bias": {-1: 1.0}},
         {"logit_bias": {5: 101}},
         {"logit_bias": {5: float("nan")}},
