@@ -47,14 +47,16 @@ class LogitBias:
 
 @dataclass
 class Penalties:
-    """Penalties of some rows of a batch, with the token counts they act on."""
+    """Penalties of some rows of a batch, with the token counts they act on. A kind of
+    penalty no row uses is None, and costs nothing."""
 
     rows: torch.Tensor  # [m] long: the batch rows with penalties
     output_counts: torch.Tensor  # [m, vocab] int32: times each token was generated
-    prompt_mask: torch.Tensor  # [m, vocab] bool: tokens that occur in the prompt
-    presence: torch.Tensor  # [m, 1] float32
-    frequency: torch.Tensor  # [m, 1] float32
-    repetition: torch.Tensor  # [m, 1] float32
+    # Repetition: [m, vocab] bool, tokens that occur in the prompt; [m, 1] float32.
+    prompt_mask: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    presence: torch.Tensor | None = None  # [m, 1] float32, with frequency
+    frequency: torch.Tensor | None = None  # [m, 1] float32
 
 
 @dataclass
@@ -83,10 +85,12 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     subtracted for every generated token."""
     rows = logits[p.rows].float()  # [m, vocab]
     generated = p.output_counts > 0  # [m, vocab]
-    seen = generated | p.prompt_mask
-    repeated = torch.where(rows > 0, rows / p.repetition, rows * p.repetition)
-    rows = torch.where(seen, repeated, rows)
-    rows -= p.frequency * p.output_counts + p.presence * generated
+    if p.repetition is not None and p.prompt_mask is not None:
+        seen = generated | p.prompt_mask
+        repeated = torch.where(rows > 0, rows / p.repetition, rows * p.repetition)
+        rows = torch.where(seen, repeated, rows)
+    if p.frequency is not None and p.presence is not None:
+        rows -= p.frequency * p.output_counts + p.presence * generated
     logits[p.rows] = rows.to(logits.dtype)
 
 
@@ -149,14 +153,16 @@ class TokenCounts:
         def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)
 
-        return Penalties(
-            rows=torch.tensor(rows, dtype=torch.long, device=self.device),
-            output_counts=self.output_counts[index],
-            prompt_mask=self.prompt_mask[index],
-            presence=column([p.presence_penalty for p in params]),
-            frequency=column([p.frequency_penalty for p in params]),
-            repetition=column([p.repetition_penalty for p in params]),
+        penalties = Penalties(
+            torch.tensor(rows, dtype=torch.long, device=self.device), self.output_counts[index]
         )
+        if any(p.repetition_penalty != 1 for p in params):
+            penalties.prompt_mask = self.prompt_mask[index]
+            penalties.repetition = column([p.repetition_penalty for p in params])
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            penalties.presence = column([p.presence_penalty for p in params])
+            penalties.frequency = column([p.frequency_penalty for p in params])
+        return penalties
 
     def _take_row(self) -> int:
         if not self._free_rows:

@@ -36,7 +36,10 @@ def reference_adjust(
     return torch.tensor(row)
 
 
-def random_params(rng: random.Random) -> SamplingParams:
+PENALTY_KINDS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def random_params(rng: random.Random, kinds: tuple[str, ...]) -> SamplingParams:
     kind = rng.choice(["none", "bias", "penalties", "both"])
     bias = {}
     if kind in ("bias", "both"):
@@ -48,17 +51,21 @@ def random_params(rng: random.Random) -> SamplingParams:
             "frequency_penalty": rng.uniform(-2, 2),
             "repetition_penalty": rng.choice([1.0, rng.uniform(0.5, 2.0)]),
         }
+        penalties = {k: v for k, v in penalties.items() if k in kinds}
     return SamplingParams(temperature=0, logit_bias=bias, **penalties)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_batched_adjustments_match_the_per_token_reference(seed):
+@pytest.mark.parametrize(
+    "kinds", [PENALTY_KINDS, ("repetition_penalty",), ("presence_penalty", "frequency_penalty")]
+)
+@pytest.mark.parametrize("seed", range(4))
+def test_batched_adjustments_match_the_per_token_reference(seed, kinds):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     counts = TokenCounts(VOCAB, torch.device("cpu"))
     num_reqs = 9  # more than the tracker's first allocation: it grows
-    params = [random_params(rng) for _ in range(num_reqs)]
-    params[0] = dataclasses.replace(params[0], repetition_penalty=1.3)  # at least one tracked
+    params = [random_params(rng, kinds) for _ in range(num_reqs)]
+    params[0] = dataclasses.replace(params[0], **{kinds[0]: 1.5})  # at least one tracked
     req_ids = [f"r{i}" for i in range(num_reqs)]
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))] for _ in req_ids]
     outputs = [[rng.randrange(VOCAB) for _ in range(rng.randint(0, 3))] for _ in req_ids]
