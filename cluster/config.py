@@ -201,6 +201,20 @@ class GatewaySettings(_Strict):
     replicas: int = Field(
         1, ge=1, le=64, description="gateway processes sharing the listen address (SO_REUSEPORT)"
     )
+    num_cpus: float = Field(
+        0.0, ge=0, description="CPUs each gateway replica reserves (Serve replicas, and the "
+        "actors of `replicas`); above 0 they never land on a head started with num-cpus 0",
+    )  # fmt: skip
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each gateway replica asks for, e.g. "
+        "{'pdcluster_gateway': 1}: replicas go only to nodes (KubeRay worker groups) that "
+        "declare it, never to the head",
+    )
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        """The Ray resources of one gateway replica actor."""
+        return {"num_cpus": self.num_cpus, "resources": dict(self.resources)}
 
 
 class RaySettings(_Strict):

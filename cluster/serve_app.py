@@ -4,7 +4,9 @@
 Every replica of the gateway deployment attaches to ONE instance pool (named by `pool`):
 the first replica to start launches it (detached, so it outlives replicas that come and go),
 the others attach; each replica plans its own requests and reads tokens straight from the
-instances. So `num_replicas` > 1 and Serve autoscaling work.
+instances. So `num_replicas` > 1 and Serve autoscaling work. Each replica asks Ray for the
+config's `gateway.num_cpus` and `gateway.resources` (e.g. `{pdcluster_gateway: 1}`, which
+only worker pods declare), so none lands on a KubeRay head started with num-cpus 0.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     deployment = serve.deployment(
         ingress,
         name="pdcluster-gateway",
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=config.gateway.ray_actor_options(),
         max_ongoing_requests=1024,
         **options,
     )
