@@ -20,6 +20,7 @@ from cluster.config import ClusterConfig
 
 DEFAULT_CONFIG = "local-1e1p1d"  # a built-in topology (see cluster.config.config_path)
 DEFAULT_POOL = "pdcluster-serve"
+GATEWAY_DEPLOYMENT = "pdcluster-gateway"  # serveConfigV2 `deployments:` entries name it
 BUILD_ARGS = ("config", "model", "pool", "num_replicas", "autoscaling_config")
 
 
@@ -53,7 +54,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     ingress = serve.ingress(build_gateway)()
     deployment = serve.deployment(
         ingress,
-        name="pdcluster-gateway",
+        name=GATEWAY_DEPLOYMENT,
         ray_actor_options=config.gateway.ray_actor_options(),
         max_ongoing_requests=1024,
         **options,
