@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.config import (
+    DEFAULT_NUM_BLOCKS,
     KV_SIZING_FIELDS,
     CacheConfig,
     EngineConfig,
@@ -118,8 +119,8 @@ class EngineSettings(_Strict):
 
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_blocks: int | None = Field(
-        None, ge=1, description="KV blocks in each instance's pool (unset: 1024, or sized by "
-        "kv_cache_memory_fraction or kv_cache_memory_bytes; set only one of the three)",
+        None, ge=1, description=f"KV blocks in each instance's pool (unset: {DEFAULT_NUM_BLOCKS}, "
+        "or sized by kv_cache_memory_fraction or kv_cache_memory_bytes; set only one of the three)",
     )  # fmt: skip
     kv_cache_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="size the KV pool from memory: this share of the device's "
