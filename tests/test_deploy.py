@@ -48,6 +48,7 @@ ROLE_RESOURCE = {
     "decode": "pdcluster_decode",
 }
 GPU_ROLES = ("prefill", "decode")
+GATEWAY_RESOURCE = "pdcluster_gateway"  # each gateway replica's ask: never on the head
 
 HISTOGRAMS = {
     "pdcluster_ttft_seconds",
@@ -263,6 +264,32 @@ def test_worker_groups_pin_the_config_roles(doc: dict, config: ClusterConfig) ->
             assert requests["nvidia.com/gpu"] == limits["nvidia.com/gpu"]
 
 
+def gateway_slots(doc: dict) -> dict[str, float]:
+    """Gateway replicas each worker group's pods hold, by group (groups that hold any)."""
+    slots = {}
+    for group in cluster_spec(doc)["workerGroupSpecs"]:
+        declared = parse_ray_resources(group["rayStartParams"].get("resources", '"{}"'))
+        if declared.get(GATEWAY_RESOURCE):
+            slots[group["groupName"]] = declared[GATEWAY_RESOURCE]
+    return slots
+
+
+def test_gateway_replicas_go_to_worker_pods_with_spare_cpus(
+    doc: dict, config: ClusterConfig
+) -> None:
+    # Serve's replicas and `gateway.replicas` ask for it; the head declares no resources.
+    assert config.gateway.resources == {GATEWAY_RESOURCE: 1.0}
+    slots = gateway_slots(doc)
+    groups = {g["groupName"]: g for g in cluster_spec(doc)["workerGroupSpecs"]}
+    assert sorted(slots) == sorted(GPU_ROLES), slots
+    for role, num_slots in slots.items():
+        group = groups[role]
+        (container,) = containers(group)
+        taken = config.role(role).num_cpus * instances_per_pod(group, role, config)
+        spare = quantity(container["resources"]["limits"]["cpu"]) - taken
+        assert spare >= num_slots, f"{role}: {num_slots} gateway replicas, {spare} spare CPUs"
+
+
 def test_worker_groups_autoscale(doc: dict, config: ClusterConfig) -> None:
     spec = cluster_spec(doc)
     assert spec["enableInTreeAutoscaling"] is True
@@ -316,14 +343,38 @@ def test_dockerfile_installs_the_project_where_manifests_expect_it() -> None:
 
 # ---- entrypoints -------------------------------------------------------------------------
 def test_rayservice_serves_the_app_builder() -> None:
-    serve_config = yaml.safe_load(manifest("rayservice.yaml")["spec"]["serveConfigV2"])
+    doc = manifest("rayservice.yaml")
+    serve_config = yaml.safe_load(doc["spec"]["serveConfigV2"])
     (app,) = serve_config["applications"]
+    # The pods that never scale away hold the gateway's replicas (Serve's default: one).
+    always_up = sum(
+        n * g["minReplicas"]
+        for name, n in gateway_slots(doc).items()
+        for g in cluster_spec(doc)["workerGroupSpecs"]
+        if g["groupName"] == name
+    )
+    assert always_up >= app["args"].get("num_replicas", 1)
     assert app["import_path"] == SERVE_IMPORT_PATH
     assert ClusterConfig.from_yaml(repo_path(app["args"]["config"])).topology_name() == "1E1P1D"
     module, attr = SERVE_IMPORT_PATH.split(":")
     path = module_file(module)
     assert path.is_file(), f"{SERVE_IMPORT_PATH}: {path.relative_to(REPO)} does not exist"
     assert defines_function(path, attr), f"{path.relative_to(REPO)} defines no {attr}()"
+
+
+def test_rayservice_serve_config_matches_serves_schema() -> None:
+    pytest.importorskip("ray.serve.schema")
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.serve_app import GATEWAY_DEPLOYMENT
+
+    serve_config = yaml.safe_load(manifest("rayservice.yaml")["spec"]["serveConfigV2"])
+    (app,) = ServeDeploySchema.model_validate(serve_config).applications
+    (gateway,) = app.deployments
+    assert gateway.name == GATEWAY_DEPLOYMENT  # Serve refuses options for a missing name
+    # An in-place redeploy drains open streams as long as an upgrade to a new cluster does.
+    spec = manifest("rayservice.yaml")["spec"]
+    assert gateway.graceful_shutdown_timeout_s == spec["rayClusterDeletionDelaySeconds"]
 
 
 def test_rayjob_runs_the_batch_entrypoint() -> None:
@@ -349,6 +400,16 @@ def test_cluster_launcher_node_types_pin_the_roles(config: ClusterConfig) -> Non
         assert node_types[role].get("max_workers", 0) * per_node >= spec.count
         assert resources.get("GPU", 0) >= spec.num_gpus * per_node
         assert resources.get("CPU", 0) >= spec.num_cpus * per_node
+
+
+def test_cluster_launcher_holds_gateway_replicas_like_the_manifests() -> None:
+    node_types = load_yaml(LAUNCHER)["available_node_types"]
+    slots = {
+        name: t["resources"][GATEWAY_RESOURCE]
+        for name, t in node_types.items()
+        if GATEWAY_RESOURCE in t.get("resources", {})
+    }
+    assert slots == gateway_slots(manifest("raycluster.yaml"))
 
 
 def test_cluster_launcher_autoscales_like_the_manifests() -> None:
