@@ -295,9 +295,9 @@ def test_cluster_health_and_metrics(base_url, client):
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
     text = httpx.get(f"{base_url}/metrics").text
     for name in (
-        f'vllm:time_to_first_token_seconds_bucket{{model_name="{MODEL}"',
+        f'vllm:time_to_first_token_seconds_bucket{{le="0.001",model_name="{MODEL}"}}',
         "vllm:inter_token_latency_seconds_bucket{",
-        f'vllm:request_success_total{{model_name="{MODEL}",finished_reason="length"}}',
+        f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}',
         "vllm:kv_cache_usage_perc{",
         "pdcluster_num_deferred{",
         "pdcluster_kv_transfer_bytes_total{",
