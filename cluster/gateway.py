@@ -57,6 +57,8 @@ COMPONENTS = "#/components/schemas/"
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # Behind the API key, with every path under /v1/ (/health, /metrics and the docs stay open).
 KEYED_PATHS = ("/tokenize", "/detokenize", "/version")
+# The methods counted by name in pdcluster_http_requests_total (others are `other`).
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 class ClusterClient(Protocol):
@@ -229,7 +231,8 @@ class _Guard:
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":
-                labels = (self._endpoint(scope), scope["method"], str(message["status"]))
+                method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
+                labels = (self._endpoint(scope), method, str(message["status"]))
                 self.http_requests.labels(*labels).inc()
             await send(message)
 
