@@ -370,6 +370,12 @@ class ClusterConfig(_Strict):
             seed=s.seed,
         )
 
+    def served_model_name(self, model: str) -> str:
+        """The model id clients use: the configured name, else the preset or folder name of
+        `model` (the model this cluster serves)."""
+        name = self.gateway.served_model_name or model
+        return name.removeprefix("preset:").rstrip("/").rsplit("/", 1)[-1]
+
     def topology_name(self) -> str:
         letters = {"encoder": "E", "prefill": "P", "decode": "D", "mixed": "mixed"}
         return "".join(f"{self.role(r).count}{letters[r]}" for r in ROLES if self.role(r).count)

@@ -22,11 +22,12 @@ from urllib.parse import urlparse
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.config import GatewaySettings
 from cluster.metrics import GatewayMetrics
@@ -47,12 +48,17 @@ from pdcluster import __version__
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 DISCONNECT_POLL_S = 0.1
+CLUSTER_VIEW_TIMEOUT_S = 1.0  # /v1/cluster and /metrics: an instance slower than this is
+# reported unreachable (one restarting would otherwise hold every call for seconds)
+RETRY_AFTER_S = 5  # told to clients whose request lost its instance
 IMAGE_FETCH_TIMEOUT_S = 10.0
 COMPONENTS = "#/components/schemas/"
 # A \uXXXX escape of a UTF-16 surrogate: only through one can an ASCII body hold a lone one.
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # Behind the API key, with every path under /v1/ (/health, /metrics and the docs stay open).
 KEYED_PATHS = ("/tokenize", "/detokenize", "/version")
+# The methods counted by name in pdcluster_http_requests_total (others are `other`).
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 class ClusterClient(Protocol):
@@ -66,7 +72,7 @@ class ClusterClient(Protocol):
 
     def stream(self, request: EngineRequest) -> AsyncIterator[EngineCoreOutput]: ...
 
-    async def stats_async(self) -> list[dict[str, Any]]: ...
+    async def stats_async(self, timeout_s: float = ...) -> list[dict[str, Any]]: ...
 
     async def scale(self, role: str, count: int) -> dict[str, str]: ...
 
@@ -75,10 +81,16 @@ class ClusterClient(Protocol):
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, code: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         kind = "invalid_request_error" if self.status < 500 else "internal_error"
@@ -87,7 +99,7 @@ class APIError(Exception):
         body = {
             "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         }
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 @dataclass
@@ -102,15 +114,18 @@ class _Result:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when alternatives were asked
     finish_reason: str | None = None
     error: str | None = None
+    unavailable: bool = False  # the error was the cluster's (see EngineCoreOutput)
 
 
 def create_app(
     cluster: ClusterClient, settings: GatewaySettings, model_name: str, max_model_len: int
 ) -> FastAPI:
     app = FastAPI(title="pdcluster", version="0.1.0")
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(model_name, max_model_len)
     gw = _Gateway(cluster, settings, model_name, max_model_len, metrics)
-    app.add_middleware(_Guard, gateway=gw)
+    app.add_middleware(
+        _Guard, gateway=gw, http_requests=metrics.http_requests, routes=app.router.routes
+    )
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -155,7 +170,8 @@ def create_app(
 
     @app.get("/v1/cluster")
     async def cluster_view() -> dict[str, Any]:
-        return {"instances": [_instance_view(s) for s in await cluster.stats_async()]}
+        stats = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
+        return {"instances": [_instance_view(s) for s in stats]}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -185,7 +201,7 @@ def create_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         try:
-            metrics.instances.snapshot = await asyncio.wait_for(cluster.stats_async(), 5.0)
+            metrics.instances.snapshot = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
             metrics.instances.planner = await asyncio.wait_for(cluster.planner_state(), 5.0)
         except Exception:  # noqa: BLE001 - serve the request metrics even then
             metrics.instances.snapshot = []
@@ -198,22 +214,45 @@ def create_app(
 
 
 class _Guard:
-    """API key and declared body size, checked before routing. A plain ASGI middleware: an
-    `@app.middleware("http")` one would pass every request and streamed chunk through a
-    task group and memory streams (a fraction of a millisecond each)."""
+    """API key and declared body size, checked before routing; every response's status
+    counted. A plain ASGI middleware: an `@app.middleware("http")` one would pass every
+    request and streamed chunk through a task group and memory streams (a fraction of a
+    millisecond each)."""
 
-    def __init__(self, app: ASGIApp, gateway: _Gateway) -> None:
+    def __init__(
+        self, app: ASGIApp, gateway: _Gateway, http_requests: Counter, routes: list[BaseRoute]
+    ) -> None:
         self.app, self.gateway = app, gateway
+        self.http_requests, self.routes = http_requests, routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            try:
-                self.gateway.authorize(scope)
-                self.gateway.check_size(scope)
-            except APIError as exc:
-                await exc.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
+                labels = (self._endpoint(scope), method, str(message["status"]))
+                self.http_requests.labels(*labels).inc()
+            await send(message)
+
+        try:
+            self.gateway.authorize(scope)
+            self.gateway.check_size(scope)
+        except APIError as exc:
+            await exc.response()(scope, receive, counted)
+            return
+        await self.app(scope, receive, counted)
+
+    def _endpoint(self, scope: Scope) -> str:
+        """The matched route's path; before routing, the request's path when a route has
+        it; else `other` (so that probes of random paths add no series)."""
+        route = scope.get("route")
+        if route is not None:
+            return route.path
+        path = scope["path"]
+        return path if any(getattr(r, "path", None) == path for r in self.routes) else "other"
 
 
 def _request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -244,6 +283,7 @@ def _instance_view(s: dict[str, Any]) -> dict[str, Any]:
         "id": s.get("id"),
         "role": s.get("role"),
         "healthy": bool(s.get("healthy")),
+        "reachable": bool(s.get("reachable", True)),
         "num_blocks_total": s.get("num_blocks_total", 0),
         "num_blocks_free": s.get("num_blocks_free", 0),
         "num_running": s.get("num_running", 0),
@@ -541,24 +581,22 @@ class _Gateway:
     async def _outputs(
         self, result: _Result, request: EngineRequest
     ) -> AsyncGenerator[EngineCoreOutput, None]:
-        """Drive one request, accumulating `result` and recording latency metrics."""
-        start = last = time.perf_counter()
-        self.metrics.prompt_tokens.inc(request.num_prompt_tokens)
-        async for out in self.cluster.stream(request):
-            now = time.perf_counter()
-            if out.new_token_ids:
-                (self.metrics.itl if result.token_ids else self.metrics.ttft).observe(now - last)
-                last = now
-                self.metrics.generated_tokens.inc(len(out.new_token_ids))
-            result.text += out.new_text
-            result.token_ids += out.new_token_ids
-            result.logprobs += out.new_logprobs or []
-            result.top_logprobs += out.new_top_logprobs or []
-            if out.finished:
-                result.finish_reason, result.error = out.finish_reason, out.error
-            yield out
-        self.metrics.e2e.observe(time.perf_counter() - start)
-        self.metrics.requests.labels(result.finish_reason or "abort").inc()
+        """Drive one request, accumulating `result` and recording its metrics (also when
+        the client goes away: closing or cancelling this counts it as aborted)."""
+        timer = self.metrics.start(request.num_prompt_tokens)
+        try:
+            async for out in self.cluster.stream(request):
+                timer.observe(out)
+                result.text += out.new_text
+                result.token_ids += out.new_token_ids
+                result.logprobs += out.new_logprobs or []
+                result.top_logprobs += out.new_top_logprobs or []
+                if out.finished:
+                    result.finish_reason, result.error = out.finish_reason, out.error
+                    result.unavailable = out.unavailable
+                yield out
+        finally:
+            timer.finish(result.finish_reason)
 
     async def _collect(self, index: int, request: EngineRequest) -> _Result:
         result = _Result(index, request.num_prompt_tokens)
@@ -579,6 +617,12 @@ class _Gateway:
             watch.cancel()
         results = work.result()
         failed = [r for r in results if r.finish_reason == "error"]
+        lost = [r for r in failed if r.unavailable]
+        if lost:
+            raise APIError(
+                503, lost[0].error or "no instance could serve the request", "unavailable",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )  # fmt: skip
         if failed:
             raise APIError(500, failed[0].error or "the request failed", "request_failed")
         return results

@@ -94,6 +94,12 @@ class EngineCoreOutput:
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
+    # Seconds the request waited on this instance before it was first scheduled; set on
+    # the first output with tokens from each instance that queued it.
+    queue_time_s: float | None = None
+    # With finish_reason "error": the cluster could not serve the request (an instance was
+    # lost, or none was live); the same request may succeed later.
+    unavailable: bool = False
 
     @property
     def finished(self) -> bool:

@@ -112,6 +112,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule; -1: not yet
         self.num_preemptions = 0
+        self.queued_time = 0.0  # this instance's clock when its scheduler took the request in
+        self.queue_time_s: float | None = None  # waited before first scheduled; not reported yet
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # set with FINISHED_ERROR
         self.block_hashes: list[int] = []  # hash chain of full blocks, kept by the KV manager

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from cluster.config import ClusterConfig
+from cluster.metrics import GatewayMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 CRD_DIR = REPO.parent / "shared" / "kuberay-crds"
@@ -51,30 +52,42 @@ GPU_ROLES = ("prefill", "decode")
 GATEWAY_RESOURCE = "pdcluster_gateway"  # each gateway replica's ask: never on the head
 
 HISTOGRAMS = {
-    "pdcluster_ttft_seconds",
-    "pdcluster_inter_token_latency_seconds",
-    "pdcluster_e2e_latency_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
     "pdcluster_kv_transfer_latency_seconds",
 }
 COUNTERS = {
-    "pdcluster_requests_total",
-    "pdcluster_generated_tokens_total",
-    "pdcluster_prompt_tokens_total",
+    "vllm:request_success_total",  # {model_name, finished_reason}
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "pdcluster_http_requests_total",  # {endpoint, method, status}
     "pdcluster_kv_transfer_bytes_total",
     "pdcluster_ec_transfer_bytes_total",
     "pdcluster_kv_leases_expired_total",
     "pdcluster_planner_decisions_total",  # {role, direction}: instances added or drained
 }
 GAUGES = {
-    "pdcluster_kv_usage_ratio",
-    "pdcluster_num_running",
-    "pdcluster_num_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "pdcluster_instance_healthy",
     "pdcluster_num_deferred",
     "pdcluster_num_pending_transfers",
     "pdcluster_instances",  # {role}: live instances
     "pdcluster_instances_desired",  # {role}: the planner's target (live count without one)
 }
 GATEWAY_METRICS = HISTOGRAMS | COUNTERS | GAUGES
+METRIC_NAME = re.compile(r"\b(?:pdcluster_\w+|vllm:\w+)")
 
 
 # ---- helpers -----------------------------------------------------------------------------
@@ -463,14 +476,29 @@ def test_grafana_dashboard_queries_only_gateway_metrics() -> None:
     dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
     exprs = dashboard_exprs(dashboard)
     assert exprs, "the dashboard has no queries"
-    used = {series_metric(m) for e in exprs for m in re.findall(r"\bpdcluster_\w+", e)}
+    used = {series_metric(m) for e in exprs for m in re.findall(METRIC_NAME, e)}
     assert used <= GATEWAY_METRICS, f"unknown metrics: {sorted(used - GATEWAY_METRICS)}"
     assert used == GATEWAY_METRICS, f"metrics without a panel: {sorted(GATEWAY_METRICS - used)}"
-    for metric in ("pdcluster_ttft_seconds", "pdcluster_inter_token_latency_seconds"):
+    for metric in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"):
         for q in ("0.5", "0.9", "0.99"):
             assert any(f"histogram_quantile({q}," in e and f"{metric}_bucket" in e for e in exprs)
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_gateway_exports_every_dashboard_metric() -> None:
+    """What the gateway's registry exposes, with one instance in its snapshot, is what the
+    dashboard queries (under the exposition's names: counters end in _total)."""
+    metrics = GatewayMetrics("m", max_model_len=64)
+    stats = {"id": "i0", "role": "decode", "healthy": True, "num_blocks_total": 8}
+    stats["transfer_ms_histogram"] = {"buckets_ms": [1.0], "counts": [0], "count": 0, "sum_ms": 0}
+    metrics.instances.snapshot = [stats]
+    metrics.http_requests.labels("/v1/completions", "POST", "200").inc()
+    exported = set()
+    for family in metrics.registry.collect():
+        suffix = "_total" if family.type == "counter" else ""
+        exported.add(family.name + suffix)
+    assert exported >= GATEWAY_METRICS, sorted(GATEWAY_METRICS - exported)
 
 
 def test_grafana_dashboard_shows_instances_against_the_planner() -> None:

@@ -398,10 +398,10 @@ def test_cluster_health_and_metrics(base_url, client):
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
     text = httpx.get(f"{base_url}/metrics").text
     for name in (
-        "pdcluster_ttft_seconds_bucket",
-        "pdcluster_inter_token_latency_seconds_bucket",
-        'pdcluster_requests_total{finish_reason="length"}',
-        "pdcluster_kv_usage_ratio{",
+        f'vllm:time_to_first_token_seconds_bucket{{le="0.001",model_name="{MODEL}"}}',
+        "vllm:inter_token_latency_seconds_bucket{",
+        f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}',
+        "vllm:kv_cache_usage_perc{",
         "pdcluster_num_deferred{",
         "pdcluster_kv_transfer_bytes_total{",
         "pdcluster_kv_leases_expired_total{",
