@@ -44,6 +44,7 @@ from routing.policy import Load, Plan, RouterConfig, RouterPolicy
 
 logger = logging.getLogger(__name__)
 
+STATS_TIMEOUT_S = 5.0  # an instance's stats call, when the caller names no bound
 MAX_RETRIES = 1  # plans of a request after its instance died before it yielded anything
 PULL_TIMEOUT_S = 5.0  # a pull unanswered this long marks its instance unhealthy
 RETRY_PULL_S = 0.5  # pause between pulls of an instance that failed
@@ -148,8 +149,9 @@ class Front:
         """The pool as this replica sees it: instance id -> (role, handle)."""
         return {iid: (self.policy.instances[iid].role, h) for iid, h in self._handles.items()}
 
-    def cluster_stats(self, timeout_s: float = 5.0) -> Future[list[dict[str, Any]]]:
-        """Every instance's stats; an instance that does not answer in time is unhealthy."""
+    def cluster_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> Future[list[dict[str, Any]]]:
+        """Every instance's stats; one that does not answer within `timeout_s` is unhealthy
+        and, with only its id and role, `reachable: False`."""
         return self._call(self._stats(timeout_s))
 
     def num_in_flight(self) -> int:
@@ -210,7 +212,7 @@ class Front:
         try:
             plan = plan or self.policy.plan(request.prompt_token_ids, _images(request))
         except RuntimeError as exc:  # no live instance
-            self._finish(flight, [_error(request.request_id, str(exc))])
+            self._finish(flight, [_error(request.request_id, str(exc), unavailable=True)])
             return
         flight.plan, flight.early = plan, []
         ec_handle = None
@@ -376,7 +378,7 @@ class Front:
                 self._submit(flight)
             else:
                 message = f"instance {instance_id} {reason} serving the request"
-                self._finish(flight, [_error(rid, message)])
+                self._finish(flight, [_error(rid, message, unavailable=True)])
 
     async def _pull_loop(self, instance_id: str) -> None:
         """Read one instance for as long as it is a member."""
@@ -489,7 +491,7 @@ class Front:
             load = self.policy.instances[iid]
             ok = not isinstance(result, BaseException)
             stats.append({**(result if ok else {"id": iid, "role": load.role}),
-                          "healthy": load.healthy and ok})  # fmt: skip
+                          "healthy": load.healthy and ok, "reachable": ok})  # fmt: skip
         return stats
 
     async def _stop(self) -> None:
@@ -520,8 +522,10 @@ def _images(request: Request) -> list[tuple[int, int, str]]:
     return [(f.offset, f.end, f.mm_hash) for f in request.mm_features]
 
 
-def _error(request_id: str, message: str) -> EngineCoreOutput:
-    return EngineCoreOutput(request_id, [], finish_reason="error", error=message)
+def _error(request_id: str, message: str, unavailable: bool = False) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id, [], finish_reason="error", error=message, unavailable=unavailable
+    )
 
 
 def pull_object_ids(since: float) -> set[str]:

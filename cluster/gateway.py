@@ -23,11 +23,12 @@ from urllib.parse import urlparse
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.config import GatewaySettings
 from cluster.metrics import GatewayMetrics
@@ -40,7 +41,7 @@ from cluster.protocol import (
 )
 from cluster.sse import DONE, ChunkEncoder, EventStreamResponse
 from engine.multimodal import decode_data_url, load_image
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, TopLogprobs
 from engine.request import Request as EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer, chat_template_takes_content_parts
@@ -50,12 +51,17 @@ from routing.handoff import max_new_tokens
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 DISCONNECT_POLL_S = 0.1
+CLUSTER_VIEW_TIMEOUT_S = 1.0  # /v1/cluster and /metrics: an instance slower than this is
+# reported unreachable (one restarting would otherwise hold every call for seconds)
+RETRY_AFTER_S = 5  # told to clients whose request lost its instance
 IMAGE_FETCH_TIMEOUT_S = 10.0
 COMPONENTS = "#/components/schemas/"
 # A \uXXXX escape of a UTF-16 surrogate: only through one can an ASCII body hold a lone one.
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # Behind the API key, with every path under /v1/ (/health, /metrics and the docs stay open).
 KEYED_PATHS = ("/tokenize", "/detokenize", "/version")
+# The methods counted by name in pdcluster_http_requests_total (others are `other`).
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 class ClusterClient(Protocol):
@@ -73,7 +79,7 @@ class ClusterClient(Protocol):
         self, requests: list[EngineRequest]
     ) -> AsyncIterator[tuple[int, EngineCoreOutput]]: ...
 
-    async def stats_async(self) -> list[dict[str, Any]]: ...
+    async def stats_async(self, timeout_s: float = ...) -> list[dict[str, Any]]: ...
 
     async def scale(self, role: str, count: int) -> dict[str, str]: ...
 
@@ -82,10 +88,16 @@ class ClusterClient(Protocol):
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, code: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         kind = "invalid_request_error" if self.status < 500 else "internal_error"
@@ -94,7 +106,7 @@ class APIError(Exception):
         body = {
             "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         }
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 @dataclass
@@ -107,8 +119,10 @@ class _Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when alternatives were asked
     finish_reason: str | None = None
     error: str | None = None
+    unavailable: bool = False  # the error was the cluster's (see EngineCoreOutput)
 
     @property
     def cumulative_logprob(self) -> float:
@@ -127,9 +141,11 @@ def create_app(
     cluster: ClusterClient, settings: GatewaySettings, model_name: str, max_model_len: int
 ) -> FastAPI:
     app = FastAPI(title="pdcluster", version="0.1.0")
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(model_name, max_model_len)
     gw = _Gateway(cluster, settings, model_name, max_model_len, metrics)
-    app.add_middleware(_Guard, gateway=gw)
+    app.add_middleware(
+        _Guard, gateway=gw, http_requests=metrics.http_requests, routes=app.router.routes
+    )
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -174,7 +190,8 @@ def create_app(
 
     @app.get("/v1/cluster")
     async def cluster_view() -> dict[str, Any]:
-        return {"instances": [_instance_view(s) for s in await cluster.stats_async()]}
+        stats = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
+        return {"instances": [_instance_view(s) for s in stats]}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -204,7 +221,7 @@ def create_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         try:
-            metrics.instances.snapshot = await asyncio.wait_for(cluster.stats_async(), 5.0)
+            metrics.instances.snapshot = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
             metrics.instances.planner = await asyncio.wait_for(cluster.planner_state(), 5.0)
         except Exception:  # noqa: BLE001 - serve the request metrics even then
             metrics.instances.snapshot = []
@@ -217,22 +234,45 @@ def create_app(
 
 
 class _Guard:
-    """API key and declared body size, checked before routing. A plain ASGI middleware: an
-    `@app.middleware("http")` one would pass every request and streamed chunk through a
-    task group and memory streams (a fraction of a millisecond each)."""
+    """API key and declared body size, checked before routing; every response's status
+    counted. A plain ASGI middleware: an `@app.middleware("http")` one would pass every
+    request and streamed chunk through a task group and memory streams (a fraction of a
+    millisecond each)."""
 
-    def __init__(self, app: ASGIApp, gateway: _Gateway) -> None:
+    def __init__(
+        self, app: ASGIApp, gateway: _Gateway, http_requests: Counter, routes: list[BaseRoute]
+    ) -> None:
         self.app, self.gateway = app, gateway
+        self.http_requests, self.routes = http_requests, routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            try:
-                self.gateway.authorize(scope)
-                self.gateway.check_size(scope)
-            except APIError as exc:
-                await exc.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
+                labels = (self._endpoint(scope), method, str(message["status"]))
+                self.http_requests.labels(*labels).inc()
+            await send(message)
+
+        try:
+            self.gateway.authorize(scope)
+            self.gateway.check_size(scope)
+        except APIError as exc:
+            await exc.response()(scope, receive, counted)
+            return
+        await self.app(scope, receive, counted)
+
+    def _endpoint(self, scope: Scope) -> str:
+        """The matched route's path; before routing, the request's path when a route has
+        it; else `other` (so that probes of random paths add no series)."""
+        route = scope.get("route")
+        if route is not None:
+            return route.path
+        path = scope["path"]
+        return path if any(getattr(r, "path", None) == path for r in self.routes) else "other"
 
 
 def _request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -263,6 +303,7 @@ def _instance_view(s: dict[str, Any]) -> dict[str, Any]:
         "id": s.get("id"),
         "role": s.get("role"),
         "healthy": bool(s.get("healthy")),
+        "reachable": bool(s.get("reachable", True)),
         "num_blocks_total": s.get("num_blocks_total", 0),
         "num_blocks_free": s.get("num_blocks_free", 0),
         "num_running": s.get("num_running", 0),
@@ -369,25 +410,28 @@ class _Gateway:
             # best_of ranks sequences by their cumulative log-probability
             logprobs = 0 if body.logprobs is None and num_seqs > body.n else body.logprobs
             asked_by = "n" if num_seqs == body.n else "best_of"
-            params = body.sampling_params(body.max_tokens, logprobs)
+            params = self._sampling_params(body, body.max_tokens, logprobs)
             groups = [
                 self._group(j, self._make(p, params), num_seqs, asked_by)
                 for j, p in enumerate(prompts)
             ]
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
+        echoes = [self._echo(p) for p in prompts] if body.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._completion_chunks(rid, groups, include_usage, body.logprobs)
+            chunks = self._completion_chunks(rid, groups, include_usage, body.logprobs, echoes)
             return EventStreamResponse(chunks)
         await self._run_to_end(http, groups)
         results = [r for g in groups for r in _best(g.results, body.n)]
         choices = [
             {
                 "index": r.index,
-                "text": r.text,
-                "logprobs": self._completion_logprobs(r.token_ids, r.logprobs, body.logprobs),
+                "text": (echoes[r.prompt_index] if echoes else "") + r.text,
+                "logprobs": self._completion_logprobs(
+                    r.token_ids, r.logprobs, r.top_logprobs, body.logprobs
+                ),
                 "finish_reason": r.finish_reason,
             }
             for r in results
@@ -412,7 +456,7 @@ class _Gateway:
             prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
-            params = body.sampling_params(body.max_new_tokens(), 0 if body.logprobs else None)
+            params = self._sampling_params(body, body.max_new_tokens(), body.num_logprobs())
             group = self._group(0, self._make(prompt, params), body.n, "n")
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
@@ -426,7 +470,9 @@ class _Gateway:
             {
                 "index": r.index,
                 "message": {"role": "assistant", "content": r.text},
-                "logprobs": self._chat_logprobs(r.token_ids, r.logprobs, body.logprobs),
+                "logprobs": self._chat_logprobs(
+                    r.token_ids, r.logprobs, r.top_logprobs, body.logprobs
+                ),
                 "finish_reason": r.finish_reason,
             }
             for r in group.results
@@ -479,6 +525,31 @@ class _Gateway:
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     # ---- request building ------------------------------------------------------------
+    def _sampling_params(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        params = body.sampling_params(max_tokens, logprobs)
+        vocab_size = self.cluster.tokenizer.vocab_size
+        outside = [t for t in params.logit_bias if t >= vocab_size]
+        if outside:
+            raise APIError(
+                400,
+                f"logit_bias: {outside[0]} is not a token id of this model "
+                f"(vocabulary of {vocab_size})",
+                "invalid_value",
+                "logit_bias",
+            )
+        return params
+
+    def _echo(self, prompt: str | list[int]) -> str:
+        """The prompt as `echo` puts it before a completion's text."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.cluster.tokenizer.decode(prompt, skip_special_tokens=False)
+
     @cached_property
     def _template_takes_content_parts(self) -> bool:
         template = self.cluster.tokenizer.chat_template
@@ -563,29 +634,26 @@ class _Gateway:
     async def _outputs(
         self, group: _Group
     ) -> AsyncGenerator[tuple[_Result, EngineCoreOutput], None]:
-        """Drive one prompt's sequences, accumulating their results and recording latency
-        metrics (closing this aborts the unfinished ones)."""
-        start = time.perf_counter()
-        last = [start] * len(group.results)
-        self.metrics.prompt_tokens.inc(group.requests[0].num_prompt_tokens)
-        stream = self.cluster.stream_group(group.requests)
-        async with contextlib.aclosing(stream) as outputs:
-            async for i, out in outputs:
-                result, now = group.results[i], time.perf_counter()
-                if out.new_token_ids:
-                    (self.metrics.itl if result.token_ids else self.metrics.ttft).observe(
-                        now - last[i]
-                    )
-                    last[i] = now
-                    self.metrics.generated_tokens.inc(len(out.new_token_ids))
-                result.text += out.new_text
-                result.token_ids += out.new_token_ids
-                result.logprobs += out.new_logprobs or []
-                if out.finished:
-                    result.finish_reason, result.error = out.finish_reason, out.error
-                    self.metrics.e2e.observe(now - start)
-                    self.metrics.requests.labels(out.finish_reason).inc()
-                yield result, out
+        """Drive one prompt's sequences, accumulating their results and recording their
+        metrics (also when the client goes away: closing or cancelling this aborts the
+        unfinished ones and counts them as aborted)."""
+        timers = [self.metrics.start(r.num_prompt_tokens) for r in group.requests]
+        try:
+            async with contextlib.aclosing(self.cluster.stream_group(group.requests)) as outputs:
+                async for i, out in outputs:
+                    result = group.results[i]
+                    timers[i].observe(out)
+                    result.text += out.new_text
+                    result.token_ids += out.new_token_ids
+                    result.logprobs += out.new_logprobs or []
+                    result.top_logprobs += out.new_top_logprobs or []
+                    if out.finished:
+                        result.finish_reason, result.error = out.finish_reason, out.error
+                        result.unavailable = out.unavailable
+                    yield result, out
+        finally:
+            for timer, result in zip(timers, group.results):
+                timer.finish(result.finish_reason)
 
     async def _run_to_end(self, http: Request, groups: list[_Group]) -> None:
         """Non-streaming: every sequence at once, into its result. A client that disconnects,
@@ -595,8 +663,7 @@ class _Gateway:
             async with contextlib.aclosing(self._merged(groups)) as outputs:
                 async for result, out in outputs:
                     if out.finish_reason == "error":
-                        message = result.error or "the request failed"
-                        raise APIError(500, message, "request_failed")
+                        raise _failure(result)
 
         work = asyncio.ensure_future(drain())
         watch = asyncio.ensure_future(_wait_disconnect(http))
@@ -637,16 +704,29 @@ class _Gateway:
                 task.cancel()
 
     async def _completion_chunks(
-        self, rid: str, groups: list[_Group], include_usage: bool, logprobs: int | None
+        self,
+        rid: str,
+        groups: list[_Group],
+        include_usage: bool,
+        logprobs: int | None,
+        echoes: list[str] | None,
     ) -> AsyncGenerator[bytes, None]:
         sse = ChunkEncoder(rid, "text_completion", int(time.time()), self.model_name)
+        results = [r for g in groups for r in g.results]
+        for result in results if echoes else []:
+            text = echoes[result.prompt_index]
+            choice = {"index": result.index, "text": text, "logprobs": None, "finish_reason": None}
+            yield sse.event([choice])
         async with contextlib.aclosing(self._merged(groups)) as outputs:
             async for result, out in outputs:
                 choice = {
                     "index": result.index,
                     "text": out.new_text,
                     "logprobs": self._completion_logprobs(
-                        out.new_token_ids, out.new_logprobs or [], logprobs
+                        out.new_token_ids,
+                        out.new_logprobs or [],
+                        out.new_top_logprobs or [],
+                        logprobs,
                     ),
                     "finish_reason": out.finish_reason,
                 }
@@ -654,7 +734,7 @@ class _Gateway:
                     choice["error"] = out.error
                 yield sse.event([choice])
         if include_usage:
-            yield sse.event([], _usage([r for g in groups for r in g.results]))
+            yield sse.event([], _usage(results))
         yield DONE
 
     async def _chat_chunks(
@@ -673,11 +753,12 @@ class _Gateway:
                 delta = {"content": out.new_text} if out.new_text else {}
                 sent = num_sent[result.index]
                 ids, lps = result.token_ids[sent:], result.logprobs[sent:]
+                tops = result.top_logprobs[sent:]
                 num_sent[result.index] = len(result.token_ids)
                 choice = {
                     "index": result.index,
                     "delta": delta,
-                    "logprobs": self._chat_logprobs(ids, lps, logprobs),
+                    "logprobs": self._chat_logprobs(ids, lps, tops, logprobs),
                     "finish_reason": out.finish_reason,
                 }
                 if out.finish_reason == "error":
@@ -688,36 +769,57 @@ class _Gateway:
         yield DONE
 
     # ---- logprobs --------------------------------------------------------------------
-    # Only the sampled token's log-probability: top-N entries are refused at parse time.
+    # `tops` is empty when the request asked for no alternatives, else one per token.
     def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[float], wanted: int | None
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        tops: list[TopLogprobs],
+        wanted: int | None,
     ) -> dict[str, Any] | None:
+        """OpenAI's legacy shape: per token, a {token: logprob} of the likeliest `wanted`
+        and the sampled one."""
         if wanted is None:
             return None
-        tokens = [self.cluster.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+        tokens = [self._token_text(t) for t in token_ids]
+        top_logprobs = []
+        for i, (token, lp) in enumerate(zip(tokens, logprobs)):
+            entry = dict(self._alternatives(tops[i])) if tops else {}
+            entry.setdefault(token, lp)
+            top_logprobs.append(entry)
         return {
             "tokens": tokens,
             "token_logprobs": logprobs,
-            "top_logprobs": None,
+            "top_logprobs": top_logprobs,
             "text_offset": None,
         }
 
     def _chat_logprobs(
-        self, token_ids: list[int], logprobs: list[float], wanted: bool
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        tops: list[TopLogprobs],
+        wanted: bool,
     ) -> dict[str, Any] | None:
         if not wanted:
             return None
-        tok = self.cluster.tokenizer
-        content = [
-            {
-                "token": tok.decode([t], skip_special_tokens=False),
-                "logprob": lp,
-                "bytes": None,
-                "top_logprobs": [],
-            }
-            for t, lp in zip(token_ids, logprobs)
-        ]
+        content = []
+        for i, (token_id, lp) in enumerate(zip(token_ids, logprobs)):
+            entry = _chat_entry(self._token_text(token_id), lp)
+            alternatives = self._alternatives(tops[i]) if tops else []
+            entry["top_logprobs"] = [_chat_entry(t, alt_lp) for t, alt_lp in alternatives]
+            content.append(entry)
         return {"content": content}
+
+    def _alternatives(self, top: TopLogprobs) -> list[tuple[str, float]]:
+        return [(self._token_text(t), lp) for t, lp in zip(top.token_ids, top.logprobs)]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.cluster.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 def _usage(results: list[_Result]) -> dict[str, int]:
@@ -738,6 +840,16 @@ def _best(results: list[_Result], n: int) -> list[_Result]:
         return results
     ranked = sorted(results, key=lambda r: r.cumulative_logprob, reverse=True)[:n]
     return [dataclasses.replace(r, index=r.prompt_index * n + i) for i, r in enumerate(ranked)]
+
+
+def _failure(result: _Result) -> APIError:
+    """A non-streamed request's error: 503 when it lost its instance (a retry may succeed)."""
+    if result.unavailable:
+        return APIError(
+            503, result.error or "no instance could serve the request", "unavailable",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )  # fmt: skip
+    return APIError(500, result.error or "the request failed", "request_failed")
 
 
 def _download(url: str, max_bytes: int) -> bytes:

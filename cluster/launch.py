@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from actors.front import Front
+from actors.front import STATS_TIMEOUT_S, Front
 from cluster.config import ClusterConfig, RaySettings
 from cluster.pool import READY_TIMEOUT_S, PlacementTimeout, PoolController
 from engine.llm import RequestOutput, merge_output, new_request_output
@@ -128,14 +128,15 @@ class Cluster:
     def stats(self) -> list[dict[str, Any]]:
         return self.front.cluster_stats().result()
 
-    async def stats_async(self) -> list[dict[str, Any]]:
-        return await asyncio.wrap_future(self.front.cluster_stats())
+    async def stats_async(self, timeout_s: float = STATS_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Every instance's stats, waiting at most `timeout_s` for each (see
+        `Front.cluster_stats`)."""
+        return await asyncio.wrap_future(self.front.cluster_stats(timeout_s))
 
     @property
     def model_name(self) -> str:
         """The model id clients use: the configured name, else the preset or folder name."""
-        name = self.config.gateway.served_model_name or self.config.model or DEFAULT_MODEL
-        return name.removeprefix("preset:").rstrip("/").rsplit("/", 1)[-1]
+        return self.config.served_model_name(self.config.model or DEFAULT_MODEL)
 
     @property
     def max_model_len(self) -> int:

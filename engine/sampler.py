@@ -2,29 +2,59 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from engine.outputs import TopLogprobs
+from engine.penalties import LogitsAdjustments, adjust_logits
 from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[float]  # of each sampled token
+    top_logprobs: list[TopLogprobs | None]  # per row: its `logprobs` likeliest, if it asked
 
 
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> tuple[list[int], list[float]]:
-    """Pick one token per row and return (token_ids, logprobs of those tokens).
+    adjustments: LogitsAdjustments | None = None,
+) -> SamplerOutput:
+    """Pick one token per row.
 
-    logits: [num_reqs, vocab] float32. Log-probabilities are those of the model's own
-    distribution (before temperature / top-k / top-p), as in vLLM.
+    logits: [num_reqs, vocab] float32, changed in place by `adjustments` (logit bias,
+    penalties). Log-probabilities, of the sampled token and of the top-N, are those of the
+    model's raw distribution: before logit bias, penalties, temperature, top-k and top-p
+    (vLLM's default).
     """
     logprobs = torch.log_softmax(logits, dim=-1)  # [num_reqs, vocab]
+    if adjustments is not None:
+        adjust_logits(logits, adjustments)
     token_ids = logits.argmax(dim=-1)  # [num_reqs]
     for row, p in enumerate(params):
         if not p.greedy:
             probs = _filtered_probs(logits[row], p)  # [vocab]
             token_ids[row] = torch.multinomial(probs, 1, generator=generators[row])[0]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    return token_ids.tolist(), chosen.tolist()
+    return SamplerOutput(token_ids.tolist(), chosen.tolist(), _top_logprobs(logprobs, params))
+
+
+def _top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[TopLogprobs | None]:
+    """Each row's `logprobs` likeliest tokens, from one top-k over the batch."""
+    wanted = [p.logprobs or 0 for p in params]
+    k = min(max(wanted), logprobs.shape[-1])
+    if k == 0:
+        return [None] * len(params)
+    values, indices = logprobs.topk(k, dim=-1)  # [num_reqs, k]
+    values_list, indices_list = values.tolist(), indices.tolist()
+    return [
+        TopLogprobs(tuple(ids[:n]), tuple(vals[:n])) if n else None
+        for n, ids, vals in zip(wanted, indices_list, values_list)
+    ]
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

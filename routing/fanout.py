@@ -33,4 +33,5 @@ def _child(request: Request, index: int) -> Request:
         mm_features=request.mm_features,
         kv_transfer_params=request.kv_transfer_params,
         arrival_time=request.arrival_time,
+        num_prior_output_tokens=request.num_prior_output_tokens,
     )

@@ -55,12 +55,12 @@ def llm(model_dir):
 
 # ---- engine ------------------------------------------------------------------------------
 def test_children_compute_the_prompt_once(llm):
-    hits_before = llm.engine.stats()["num_prefix_hit_tokens"]
+    hits_before = llm.engine.stats()["prefix_cache_hits"]
     unseen = [300, *PROMPT[1:]]  # cached by no other test
     run(llm, children(llm, "once", dataclasses.replace(SEEDED, seed=None), prompt=unseen))
     stats = llm.engine.stats()
     # Every child but the first found the prompt's full blocks cached in the same step.
-    assert stats["num_prefix_hit_tokens"] - hits_before == (N - 1) * SHARED_TOKENS
+    assert stats["prefix_cache_hits"] - hits_before == (N - 1) * SHARED_TOKENS
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
 
 
@@ -111,7 +111,7 @@ def test_disaggregated_children_equal_colocated_and_share_the_prompt_on_prefill(
     # P computed the prompt's full blocks once: every other child found them cached.
     assert sorted(cached_on_prefill) == [0] + [SHARED_TOKENS] * (N - 1)
     p_after, d_after = instance_stats(pd, "prefill"), instance_stats(pd, "decode")
-    hits = p_after["num_prefix_hit_tokens"] - p_before["num_prefix_hit_tokens"]
+    hits = p_after["prefix_cache_hits"] - p_before["prefix_cache_hits"]
     assert hits >= (N - 1) * SHARED_TOKENS
     # Each child's KV reaches D through the connector on its own: one load per child.
     assert d_after["num_loads"] - d_before["num_loads"] == N
