@@ -9,12 +9,15 @@ STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 # `make serve`: SmolLM2-135M-Instruct on one prefill and one decode instance (embedded local
-# Ray), gateway on 127.0.0.1:$(PORT). CONFIG names a topology instead, with its own model:
-# `make serve CONFIG=local-1e1p1d` is the multimodal E/P/D demo (tiny-llava preset).
+# Ray), gateway on 127.0.0.1:$(PORT). CONFIG names a topology instead, with its own model
+# unless MODEL is given too: `make serve CONFIG=local-1e1p1d` is the multimodal E/P/D demo
+# (tiny-llava preset), `make serve CONFIG=local-1e1p1d MODEL=preset:small-llava` the same
+# with a CLIP ViT-B/16 vision tower.
 MODEL ?= smollm2-135m
 CONFIG ?=
 PORT ?= 8000
-SERVE_ARGS = $(if $(CONFIG),--config $(CONFIG),--model $(MODEL) --prefills 1 --decodes 1)
+MODEL_GIVEN = $(filter-out file,$(origin MODEL))
+SERVE_ARGS = $(if $(CONFIG),--config $(CONFIG) $(if $(MODEL_GIVEN),--model $(MODEL)),--model $(MODEL) --prefills 1 --decodes 1)
 
 .PHONY: setup serve test test-slow lint bench clean
 

@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,14 @@ from benchmarks.client import (
     stream_one,
 )
 from benchmarks.metrics import Slo, goodput, search_rates, summarize
-from benchmarks.targets import REPO_ROOT, Target, local_target, url_target, wait_quiet
+from benchmarks.targets import (
+    REPO_ROOT,
+    Target,
+    local_target,
+    shared_ray,
+    url_target,
+    wait_quiet,
+)
 from benchmarks.workload import (
     LengthScaling,
     RequestSpec,
@@ -125,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="at most N requests in flight; one arriving later waits for a free slot (as in\n"
         "`vllm bench serve`: the arrival schedule is kept, the sent rate may fall)",
     )
+    x.add_argument(
+        "--interleave",
+        action="store_true",
+        help="launch every topology at once and run each rate on each in turn (order flipping\n"
+        "per rate), so a drifting background load on a shared machine falls on all alike",
+    )
     x.add_argument("--out", default="bench-out", help="output folder")
     x.add_argument(
         "--save-vllm-json",
@@ -158,16 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": report.machine_info(),
         "workload": {"description": description, "scaling": workload.scaling},
-        "topologies": [],
     }
     print(f"workload: {description}")
-    reference: Slo | None = None
-    for target_cm in _targets(args):
-        with target_cm as target:
-            result = bench_target(target, args, workload, reference)
-        results["topologies"].append(result)
-        if args.slo_reference == "first" and reference is None and result.get("slo"):
-            reference = Slo(result["slo"]["ttft_ms"], result["slo"]["tpot_ms"])
+    bench = bench_interleaved if args.interleave else bench_one_by_one
+    results["topologies"] = bench(args, workload)
     results["machine"]["loadavg_end"] = report.loadavg()
     paths = report.write_all(results, Path(args.out), args.cdf_rate)
     if args.save_vllm_json:
@@ -191,6 +198,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--max-concurrency is at least 1")
     if not 0 <= args.image_fraction <= 1:
         raise ValueError("--image-fraction is a fraction in [0, 1]")
+    if args.interleave and (args.url or args.rates == "auto"):
+        raise ValueError("--interleave needs --topologies and a list of --rates (not auto)")
 
 
 def _targets(args: argparse.Namespace) -> Iterator[contextlib.AbstractContextManager[Target]]:
@@ -228,13 +237,48 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 
 # ---- one target -----------------------------------------------------------------------
+@dataclass
+class TargetBench:
+    """One target's measurements: its result header (isolated latency, SLO) and its runs;
+    `measure(rate)` adds one run and returns its attainment."""
+
+    target: Target
+    args: argparse.Namespace
+    workload: Workload  # fitted to the target's context
+    result: dict[str, Any]
+    slo: Slo | None
+    seeds: Iterator[int]  # fresh prompts for every run
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    def measure(self, rate: float | None) -> float:
+        run = run_rate(self.target, self.workload, rate, self.slo, self.args, next(self.seeds))
+        self.runs.append(run)
+        return run["summary"].get("attainment", 0.0)
+
+
 def bench_target(
     target: Target, args: argparse.Namespace, workload: Workload, reference: Slo | None
 ) -> dict[str, Any]:
     """Warm up, measure isolated latency (for --slo-scale), run every rate, and the extras."""
+    bench = start_target(target, args, workload, reference)
+    if args.rates == "auto":
+        start = args.rate or bench.workload.mean_rate
+        search_rates(bench.measure, start, args.goodput_target, bisect_steps=args.search_steps)
+    elif args.rates:
+        for rate in swept_rates(args):
+            bench.measure(rate)
+    else:
+        bench.measure(None)
+    return finish_target(bench)
+
+
+def start_target(
+    target: Target, args: argparse.Namespace, workload: Workload, reference: Slo | None
+) -> TargetBench:
+    """Warm up, measure isolated latency (for --slo-scale) and set the SLO."""
     workload = workload.fit(target.max_model_len)
     print(f"\n== {target.name} ({target.topology or 'remote'}, model {target.model}) ==")
-    seeds = iter(range(args.seed * 100_000 + 1, 10**9))  # fresh prompts for every run
+    seeds = iter(range(args.seed * 100_000 + 1, 10**9))
     warm_up(target, workload, next(seeds))
     result: dict[str, Any] = {
         "name": target.name,
@@ -251,32 +295,60 @@ def bench_target(
     if slo:
         result["slo"] = {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "source": _slo_source(
             args, reference)}  # fmt: skip
-    runs: list[dict[str, Any]] = []
+    return TargetBench(target, args, workload, result, slo, seeds)
 
-    def measure(rate: float | None) -> float:
-        run = run_rate(target, workload, rate, slo, args, next(seeds))
-        runs.append(run)
-        return run["summary"].get("attainment", 0.0)
 
-    if args.rates == "auto":
-        start = args.rate or workload.mean_rate
-        search_rates(measure, start, args.goodput_target, bisect_steps=args.search_steps)
-    elif args.rates:
-        for rate in sorted(float(r) for r in args.rates.split(",")):
-            measure(rate)
-    else:
-        measure(None)
-    runs.sort(key=lambda r: r["rate_rps"])
-    result["runs"] = runs
-    if slo and len(runs) > 1:
-        points = [(r["rate_rps"], r["summary"]["attainment"]) for r in runs]
+def finish_target(bench: TargetBench) -> dict[str, Any]:
+    """The target's result: its runs by rate, goodput over them, and the extras."""
+    args, result = bench.args, bench.result
+    result["runs"] = sorted(bench.runs, key=lambda r: r["rate_rps"])
+    if bench.slo and len(bench.runs) > 1:
+        points = [(r["rate_rps"], r["summary"]["attainment"]) for r in result["runs"]]
         result["goodput"] = goodput(points, args.goodput_target)
         print(f"goodput: {result['goodput']}")
     if args.gateway_overhead:
         result["gateway_overhead"] = measure_gateway_overhead(
-            target, workload, args.overhead_requests, next(seeds)
+            bench.target, bench.workload, args.overhead_requests, next(bench.seeds)
         )
     return result
+
+
+def swept_rates(args: argparse.Namespace) -> list[float]:
+    return sorted(float(r) for r in args.rates.split(","))
+
+
+def bench_one_by_one(args: argparse.Namespace, workload: Workload) -> list[dict[str, Any]]:
+    """Each target in turn: launched, measured at every rate, shut down."""
+    out: list[dict[str, Any]] = []
+    reference: Slo | None = None
+    for target_cm in _targets(args):
+        with target_cm as target:
+            result = bench_target(target, args, workload, reference)
+        out.append(result)
+        if args.slo_reference == "first" and reference is None and result.get("slo"):
+            reference = Slo(result["slo"]["ttft_ms"], result["slo"]["tpot_ms"])
+    return out
+
+
+def bench_interleaved(args: argparse.Namespace, workload: Workload) -> list[dict[str, Any]]:
+    """--interleave: every topology is up at once (on one embedded Ray with the CPUs of them
+    all) and each rate runs on each in turn, the order flipping from rate to rate (A B, B A,
+    ...), so that a background load drifting on a shared machine falls on all of them alike.
+    An idle topology's actors wait on their inboxes, so it costs the running one no CPU."""
+    names = [n.strip() for n in args.topologies.split(",") if n.strip()]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(shared_ray(names))
+        targets = [stack.enter_context(local_target(name, args.model)) for name in names]
+        benches: list[TargetBench] = []
+        reference: Slo | None = None
+        for target in targets:
+            benches.append(start_target(target, args, workload, reference))
+            if args.slo_reference == "first" and reference is None:
+                reference = benches[-1].slo
+        for i, rate in enumerate(swept_rates(args) if args.rates else [None]):
+            for bench in benches if i % 2 == 0 else benches[::-1]:
+                bench.measure(rate)
+        return [finish_target(bench) for bench in benches]
 
 
 def run_rate(
@@ -296,6 +368,7 @@ def run_rate(
     limit = min(args.max_run_s, span + args.drain_s)
     actual_rate = workload.mean_rate if len(workload.requests) > 1 else 0.0
     load_before = report.loadavg()
+    started_unix_s = time.time()
     outcome = asyncio.run(
         run_load(
             target.url,
@@ -314,6 +387,7 @@ def run_rate(
         "workload": workload.describe(),
         "max_concurrency": args.max_concurrency,
         "max_run_s": limit,
+        "started_unix_s": started_unix_s,
         "loadavg": {"before": load_before, "after": report.loadavg()},  # a shared machine?
         "summary": summary,
         "requests": [r.to_dict() for r in outcome.results],

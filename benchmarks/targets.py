@@ -87,6 +87,26 @@ def local_target(config_name: str, model: str | None) -> Iterator[Target]:
         cluster.shutdown()
 
 
+@contextlib.contextmanager
+def shared_ray(config_names: list[str]) -> Iterator[None]:
+    """One embedded Ray for topologies launched side by side, with the CPUs of them all
+    (each config's `ray.num_cpus` is sized for it alone); shut down on the way out."""
+    import ray
+
+    from cluster.config import ClusterConfig, RaySettings
+    from cluster.launch import init_ray
+
+    configs = [ClusterConfig.from_yaml(resolve_config(name)) for name in config_names]
+    num_cpus = sum(c.ray.num_cpus or 0 for c in configs) or None
+    with keep_current_cluster_record():
+        started = init_ray(RaySettings(num_cpus=num_cpus))
+        try:
+            yield
+        finally:
+            if started:
+                ray.shutdown()
+
+
 RAY_CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
 
 

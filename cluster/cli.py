@@ -199,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a built-in random-weight checkpoint")
     p.add_argument(
-        "--preset", default="tiny-llama", help="tiny-llama, tiny-qwen2, tiny-llava, small-llama"
+        "--preset",
+        default="tiny-llama",
+        help="tiny-llama, tiny-qwen2, tiny-llava, small-llama, small-llava",
     )
     p.add_argument("--out", required=True, help="folder to write")
     p.set_defaults(func=_cmd_make_model)

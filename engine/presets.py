@@ -122,6 +122,23 @@ PRESETS: dict[str, Preset] = {
             seed=3,
         ),
         Preset("small-llama", "llama", TextSpec(768, 10, 12, 4, 2048), seed=4),
+        # The pairing of SmolVLM-256M (a base-size ViT/16 + SmolLM2-135M), with a CLIP tower:
+        # CLIP ViT-B/16 at 224 px (196 image tokens) and SmolLM2-135M's decoder shape, so that
+        # encoding an image costs what it costs next to prefilling its prompt in practice.
+        Preset(
+            "small-llava",
+            "llava",
+            TextSpec(576, 30, 9, 3, 1536, rope_theta=100000.0, rms_norm_eps=1e-5),
+            vision=VisionSpec(
+                image_size=224,
+                patch_size=16,
+                hidden_size=768,
+                num_layers=12,
+                num_heads=12,
+                intermediate_size=3072,
+            ),
+            seed=5,
+        ),
     )
 }
 

@@ -373,3 +373,30 @@ def test_bench_smoke_two_topologies(ray_session, preset_dir, tmp_path):
     for png in ("attainment_vs_rate.png", "ttft_cdf.png", "tpot_cdf.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not math.isnan(results["cdf_rate_rps"])
+
+
+def test_bench_interleaved_runs_each_rate_on_each_topology_in_turn(
+    ray_session, preset_dir, tmp_path
+):
+    model_dir = preset_dir("tiny-llava")
+    pd = _config(tmp_path, model_dir, "pd", {"prefill": 1, "decode": 1})
+    mixed = _config(tmp_path, model_dir, "mixed", {"mixed": 1})
+    out = tmp_path / "out"
+    argv = ["--topologies", f"{pd},{mixed}", "--interleave", "--synthetic", "--num-requests",
+            "4", "--prompt-len", "16", "--output-len", "4", "--rates", "4,8,16",
+            "--image-fraction", "1", "--ttft-slo-ms", "60000", "--out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    first, second = results["topologies"]
+    assert [t["topology"] for t in (first, second)] == ["1P1D", "1mixed"]
+    starts = [[r["started_unix_s"] for r in t["runs"]] for t in (first, second)]
+    a, b = starts
+    assert a[0] < b[0] < b[1] < a[1] < a[2] < b[2]  # A B, B A, A B
+    for topo in (first, second):
+        assert [run["summary"]["num_ok"] for run in topo["runs"]] == [4, 4, 4]
+    assert [row["rate_rps"] for row in results["comparisons"][0]["per_rate"]] == [4, 8, 16]
+
+
+def test_interleave_needs_launched_topologies_and_listed_rates(capsys):
+    code = bench.main(["--url", "http://x", "--interleave", "--synthetic", "--rate", "1"])
+    assert code == 2 and "--interleave needs --topologies" in capsys.readouterr().err

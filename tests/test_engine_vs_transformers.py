@@ -119,6 +119,33 @@ def test_llava_with_images_matches_transformers(llava, variant):
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
 
 
+@pytest.mark.slow  # ~30-50 s on 2 cores: a 195M-parameter checkpoint built and run twice
+def test_small_llava_matches_transformers(preset_dir):
+    """The realistic vision tower (CLIP ViT-B/16, 196 image tokens) on a 30-layer decoder:
+    one image prompt, greedy, stopping at EOS as transformers does."""
+    path = preset_dir("small-llava")
+    llm = LLM(path)
+    prompt = {
+        "prompt": "Describe <image> briefly.",
+        "multi_modal_data": {"image": random_image(0, (48, 40))},
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    out = llm.generate(prompt, params)[0]
+    request = llm.processor.process("ref", prompt, params)
+    assert request.prompt_token_ids.count(presets.IMAGE_TOKEN_ID) == 196
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        reference = hf.eval().generate(
+            torch.tensor([request.prompt_token_ids]),
+            pixel_values=request.mm_features[0].pixel_values[None],
+            max_new_tokens=8,
+            do_sample=False,
+        )
+    assert out.token_ids == reference[0, len(request.prompt_token_ids) :].tolist()
+    stats = llm.engine.scheduler.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
 def test_stops_on_every_eos_id_like_transformers(preset_dir, tmp_path):
     """generation_config.json may list several EOS ids (Llama-3-Instruct lists three): both
     engines stop at the first token that is any of them, not only at the first id listed."""

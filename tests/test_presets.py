@@ -111,6 +111,18 @@ def test_small_llama_size_without_building():
     assert config["hidden_size"] >= 512 and config["num_hidden_layers"] >= 8
 
 
+def test_small_llava_is_clip_vit_b16_with_a_smollm2_sized_decoder():
+    config = model_config(PRESETS["small-llava"], vocab_size=1536)
+    vision, text = config["vision_config"], config["text_config"]
+    assert (vision["image_size"], vision["patch_size"]) == (224, 16)
+    assert config["image_seq_length"] == 196  # (224 / 16)^2 patches, CLS dropped
+    assert (vision["hidden_size"], vision["num_hidden_layers"]) == (768, 12)
+    assert (vision["num_attention_heads"], vision["intermediate_size"]) == (12, 3072)
+    assert (text["hidden_size"], text["num_hidden_layers"]) == (576, 30)
+    assert (text["num_attention_heads"], text["num_key_value_heads"]) == (9, 3)
+    assert 150e6 <= num_params("small-llava") <= 250e6
+
+
 @pytest.mark.slow
 def test_small_llama_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
