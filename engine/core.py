@@ -11,6 +11,7 @@ from engine.models.loader import load_model
 from engine.outputs import EngineCoreOutput, KVConnectorOutput, RunnerOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -44,7 +45,10 @@ class EngineCore:
             config.model, self.device, self.dtype, config.scheduler.max_model_len
         )
         self.tokenizer = Tokenizer(config.model)
-        self.runner = ModelRunner(model, self.model_info, config.cache, self.device, self.dtype)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
+        self.runner = ModelRunner(
+            model, self.model_info, config.cache, self.device, self.dtype, self.grammars
+        )
         self.scheduler = Scheduler(config.scheduler, config.cache, kv_connector, ec_connector)
         self.kv_connector = kv_connector
         self.ec_connector = ec_connector
@@ -96,6 +100,9 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if request.mm_features and not self.model_info.is_multimodal:
             raise ValueError("this model does not accept images")
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:
+            self.grammars.matcher(structured)  # compiled (and cached for the runner) now
 
     def has_work(self) -> bool:
         kv_pending = self.kv_connector is not None and self.kv_connector.has_pending()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import llguidance
 import torch
 
 from engine.attention import AttentionMetadata, allocate_kv_cache
@@ -17,6 +18,7 @@ from engine.outputs import NewRequestData, RunnerOutput, SchedulerOutput
 from engine.request import MultiModalFeature
 from engine.sampler import make_generator, sample
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler, advance
 
 
 @dataclass
@@ -26,6 +28,7 @@ class CachedRequestState:
     mm_features: list[MultiModalFeature]
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    grammar: llguidance.LLMatcher | None  # advanced past every token sampled here
     block_ids: list[int]
     num_computed_tokens: int
 
@@ -38,8 +41,10 @@ class ModelRunner:
         cache_config: CacheConfig,
         device: torch.device,
         dtype: torch.dtype,
+        grammars: GrammarCompiler,
     ) -> None:
         self.model = model
+        self.grammars = grammars
         self.info = info
         self.device = device
         self.dtype = dtype
@@ -80,9 +85,14 @@ class ModelRunner:
             mm_features=new.mm_features,
             sampling_params=new.sampling_params,
             generator=make_generator(new.sampling_params.seed, self.device),
+            grammar=self._new_grammar(new.sampling_params),
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
         )
+
+    def _new_grammar(self, params: SamplingParams) -> llguidance.LLMatcher | None:
+        structured = params.structured_outputs
+        return None if structured is None else self.grammars.matcher(structured)
 
     # ---- one step --------------------------------------------------------------------
     @torch.inference_mode()
@@ -126,21 +136,29 @@ class ModelRunner:
         ]
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[list[float]] = [[] for _ in req_ids]
+        grammar_done: set[str] = set()
         if rows:
             logits = self.model.compute_logits(last_hidden[rows])  # [len(rows), vocab]
             picked = [states[i] for i in rows]
             token_ids, token_logprobs = sample(
-                logits, [s.sampling_params for s in picked], [s.generator for s in picked]
+                logits,
+                [s.sampling_params for s in picked],
+                [s.generator for s in picked],
+                self.grammars.bitmask([s.grammar for s in picked]),
             )
             for i, tok, lp in zip(rows, token_ids, token_logprobs):
                 states[i].token_ids.append(tok)
                 sampled[i] = [tok]
                 logprobs[i] = [lp]
+                grammar = states[i].grammar
+                if grammar is not None and advance(grammar, tok):
+                    grammar_done.add(req_ids[i])
         return RunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             logprobs=logprobs,
+            grammar_done_req_ids=grammar_done,
         )
 
     # ---- multimodal ------------------------------------------------------------------

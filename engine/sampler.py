@@ -11,12 +11,18 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    grammar_bitmask: torch.Tensor | None = None,
 ) -> tuple[list[int], list[float]]:
     """Pick one token per row and return (token_ids, logprobs of those tokens).
 
     logits: [num_reqs, vocab] float32. Log-probabilities are those of the model's own
-    distribution (before temperature / top-k / top-p), as in vLLM.
+    distribution (before temperature / top-k / top-p), as in vLLM; under a grammar, of that
+    distribution restricted to the tokens the grammar allows.
+    grammar_bitmask: [num_reqs, ceil(vocab / 32)] int32, bit t of a row set where token t is
+    allowed (see `engine.structured_output`), or None when no row has a grammar.
     """
+    if grammar_bitmask is not None:
+        logits = apply_grammar_masks(logits, grammar_bitmask)
     logprobs = torch.log_softmax(logits, dim=-1)  # [num_reqs, vocab]
     token_ids = logits.argmax(dim=-1)  # [num_reqs]
     for row, p in enumerate(params):
@@ -25,6 +31,15 @@ def sample(
             token_ids[row] = torch.multinomial(probs, 1, generator=generators[row])[0]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     return token_ids.tolist(), chosen.tolist()
+
+
+def apply_grammar_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits with every token a row's grammar forbids at -inf: [num_reqs, vocab]."""
+    num_reqs, vocab = logits.shape
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
+    words = bitmask.to(logits.device, non_blocking=True).unsqueeze(-1)  # [num_reqs, words, 1]
+    allowed = ((words >> bits) & 1).bool().view(num_reqs, -1)[:, :vocab]  # [num_reqs, vocab]
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -451,7 +451,12 @@ class Scheduler:
             i = index_of.get(rid)
             if i is None or not sampled[i]:
                 continue  # partial prefill: no token
-            output = self._append_tokens(request, sampled[i], logprobs[i] if logprobs else None)
+            output = self._append_tokens(
+                request,
+                sampled[i],
+                logprobs[i] if logprobs else None,
+                rid in runner_output.grammar_done_req_ids,
+            )
             if output.finish_reason is not None:
                 num_stopped += 1
             outputs.append(output)
@@ -472,15 +477,21 @@ class Scheduler:
         self._publish_after_step = []
 
     def _append_tokens(
-        self, request: Request, token_ids: list[int], logprobs: list[float] | None
+        self,
+        request: Request,
+        token_ids: list[int],
+        logprobs: list[float] | None,
+        grammar_done: bool,
     ) -> EngineCoreOutput:
+        """`grammar_done`: the request's grammar is complete after the last of `token_ids`."""
         new_token_ids = token_ids
         status = None
         for j, token_id in enumerate(token_ids):
             request.output_token_ids.append(token_id)
             if logprobs:
                 request.output_logprobs.append(logprobs[j])
-            status = check_stop(request, token_id, self.max_model_len)
+            done = grammar_done and j == len(token_ids) - 1
+            status = check_stop(request, token_id, self.max_model_len, done)
             if status is not None:
                 new_token_ids = token_ids[: j + 1]
                 break

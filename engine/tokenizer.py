@@ -152,6 +152,10 @@ class Tokenizer:
         least n / max_token_chars tokens (before normalization)."""
         return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
+    def to_json(self) -> str:
+        """The whole tokenizer as tokenizer.json text (what grammar libraries load)."""
+        return self._tokenizer.to_str()
+
     @cached_property
     def special_ids(self) -> frozenset[int]:
         added = self._tokenizer.get_added_tokens_decoder()
