@@ -82,6 +82,12 @@ def chat_template_takes_content_parts(source: str) -> bool:
     return loops_over_content or reads_type
 
 
+def chat_template_takes_tools(source: str) -> bool:
+    """Whether a chat template renders a `tools` list (function definitions) at all."""
+    tree = jinja2.Environment(extensions=[loopcontrols]).parse(source)
+    return any(n.name == "tools" for n in tree.find_all(nodes.Name))
+
+
 class Tokenizer:
     """The tokenizer of a Hugging Face checkpoint folder (tokenizer.json and its configs)."""
 

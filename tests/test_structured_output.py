@@ -10,9 +10,8 @@ import jsonschema
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.sampler import apply_grammar_masks
-from engine.sampling_params import StructuredOutputsParams
 from routing.handoff import for_decode, for_prefill
 from tests.cluster_utils import SMALL_ENGINE
 
