@@ -134,7 +134,7 @@ WEATHER = {
         "parameters": {
             "type": "object",
             "properties": {
-                "city": {"type": "string", "maxLength": 10},
+                "city": {"type": "string", "maxLength": 6},
                 "unit": {"enum": ["celsius", "fahrenheit"]},
             },
             "required": ["city", "unit"],
@@ -158,7 +158,7 @@ def test_a_forced_tool_call_is_returned_as_tool_calls(client, clean, sampling):
     named = {"type": "function", "function": {"name": "get_weather"}}
     for tool_choice, tools in ((named, [WEATHER, TIME]), ("required", [WEATHER, TIME])):
         out = client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=120, tools=tools, tool_choice=tool_choice,
+            model=MODEL, messages=CHAT, max_tokens=64, tools=tools, tool_choice=tool_choice,
             **sampling,
         )  # fmt: skip
         choice = out.choices[0]
