@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -34,11 +35,13 @@ def sample(
 
 
 def apply_grammar_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Logits with every token a row's grammar forbids at -inf: [num_reqs, vocab]."""
+    """Logits with every token a row's grammar forbids at -inf: [num_reqs, vocab].
+
+    bitmask: [num_reqs, words] int32 on the CPU, little-endian: token t is bit t % 32 of
+    word t // 32, so its bytes unpack in token order."""
     num_reqs, vocab = logits.shape
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
-    words = bitmask.to(logits.device, non_blocking=True).unsqueeze(-1)  # [num_reqs, words, 1]
-    allowed = ((words >> bits) & 1).bool().view(num_reqs, -1)[:, :vocab]  # [num_reqs, vocab]
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, :vocab]).to(logits.device, torch.bool)  # [num_reqs, vocab]
     return logits.masked_fill(~allowed, float("-inf"))
 
 
