@@ -44,6 +44,7 @@ from routing.policy import Load, Plan, RouterConfig, RouterPolicy
 
 logger = logging.getLogger(__name__)
 
+STATS_TIMEOUT_S = 5.0  # an instance's stats call, when the caller names no bound
 MAX_RETRIES = 1  # plans of a request after its instance died before it yielded anything
 PULL_TIMEOUT_S = 5.0  # a pull unanswered this long marks its instance unhealthy
 RETRY_PULL_S = 0.5  # pause between pulls of an instance that failed
@@ -112,30 +113,45 @@ class Front:
     # ---- client API (any thread, any event loop) ---------------------------------------
     async def stream(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
         """Outputs of one request as they arrive; leaving early aborts it everywhere."""
+        async with contextlib.aclosing(self.stream_group([request])) as outputs:
+            async for _, out in outputs:
+                yield out
+
+    async def stream_group(
+        self, requests: list[Request]
+    ) -> AsyncIterator[tuple[int, EngineCoreOutput]]:
+        """(index in `requests`, output) as outputs arrive. The requests sample one prompt
+        (a client's n > 1, see routing/fanout.py): they share one plan, so their P (or mixed
+        instance) computes the prompt once and the others hit its prefix cache. Leaving
+        early aborts every unfinished one everywhere."""
         loop = asyncio.get_running_loop()
-        batches: asyncio.Queue[list[EngineCoreOutput]] = asyncio.Queue()
+        batches: asyncio.Queue[tuple[int, list[EngineCoreOutput]]] = asyncio.Queue()
 
-        def deliver(batch: list[EngineCoreOutput]) -> None:
-            loop.call_soon_threadsafe(batches.put_nowait, batch)
+        def deliverer(index: int) -> Deliver:
+            return lambda batch: loop.call_soon_threadsafe(batches.put_nowait, (index, batch))
 
-        rid = request.request_id
-        self._loop.call_soon_threadsafe(self._start, request, deliver)
-        finished = False
+        delivers = [deliverer(i) for i in range(len(requests))]
+        self._loop.call_soon_threadsafe(self._start, requests, delivers)
+        unfinished = set(range(len(requests)))
         try:
-            while not finished:
-                for out in await batches.get():
-                    finished = finished or out.finished
-                    yield out
+            while unfinished:
+                index, batch = await batches.get()
+                for out in batch:
+                    if out.finished:
+                        unfinished.discard(index)
+                    yield index, out
         finally:
-            if not finished:
-                self._loop.call_soon_threadsafe(self._abort, rid)
+            if unfinished:
+                rids = [requests[i].request_id for i in unfinished]
+                self._loop.call_soon_threadsafe(self._abort, rids)
 
     def handles(self) -> dict[str, tuple[str, ActorHandle]]:
         """The pool as this replica sees it: instance id -> (role, handle)."""
         return {iid: (self.policy.instances[iid].role, h) for iid, h in self._handles.items()}
 
-    def cluster_stats(self, timeout_s: float = 5.0) -> Future[list[dict[str, Any]]]:
-        """Every instance's stats; an instance that does not answer in time is unhealthy."""
+    def cluster_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> Future[list[dict[str, Any]]]:
+        """Every instance's stats; one that does not answer within `timeout_s` is unhealthy
+        and, with only its id and role, `reachable: False`."""
         return self._call(self._stats(timeout_s))
 
     def num_in_flight(self) -> int:
@@ -160,22 +176,30 @@ class Front:
         return asyncio.run_coroutine_threadsafe(_as_coro(coro_or_fn), self._loop)
 
     # ---- planning (the Front's thread from here on) ------------------------------------
-    def _start(self, request: Request, deliver: Deliver) -> None:
-        rid = request.request_id
-        if rid in self._wire_ids:
-            deliver([_error(rid, f"request id {rid!r} is already in use")])
-            return
-        if request.mm_features:  # the caller's request keeps its pixels; ours refer to them
-            request = copy.copy(request)
-            request.mm_features = by_reference(request.mm_features)  # one put per image
-        flight = self._flights[rid] = _Flight(request, deliver, rid)
-        self._wire_ids[rid] = rid
-        self.num_started += 1
-        self._submit(flight)
+    def _start(self, requests: list[Request], delivers: list[Deliver]) -> None:
+        """Start a group of requests sampling one prompt, all on the first one's plan."""
+        features = requests[0].mm_features
+        if features:  # the caller's requests keep their pixels; ours refer to them
+            features = by_reference(features)  # one put per image, for the whole group
+        plan = None
+        for request, deliver in zip(requests, delivers):
+            rid = request.request_id
+            if rid in self._wire_ids:
+                deliver([_error(rid, f"request id {rid!r} is already in use")])
+                continue
+            if features:
+                request = copy.copy(request)
+                request.mm_features = features
+            flight = self._flights[rid] = _Flight(request, deliver, rid)
+            self._wire_ids[rid] = rid
+            self.num_started += 1
+            self._submit(flight, plan)
+            plan = plan or flight.plan
 
-    def _submit(self, flight: _Flight) -> None:
-        """Plan the request and send it to its instances. Another attempt goes under a new
-        id: an instance that never saw the first one may still hold its abort."""
+    def _submit(self, flight: _Flight, plan: Plan | None = None) -> None:
+        """Plan the request (unless given its group's `plan`) and send it to its instances.
+        Another attempt goes under a new id: an instance that never saw the first one may
+        still hold its abort."""
         flight.attempts += 1
         if flight.attempts > 1:
             request = copy.copy(flight.request)
@@ -186,9 +210,9 @@ class Front:
             self._wire_ids[flight.client_id] = request.request_id
         request = flight.request
         try:
-            plan = self.policy.plan(request.prompt_token_ids, _images(request))
+            plan = plan or self.policy.plan(request.prompt_token_ids, _images(request))
         except RuntimeError as exc:  # no live instance
-            self._finish(flight, [_error(request.request_id, str(exc))])
+            self._finish(flight, [_error(request.request_id, str(exc), unavailable=True)])
             return
         flight.plan, flight.early = plan, []
         ec_handle = None
@@ -269,22 +293,29 @@ class Front:
         try:
             flight.deliver(batch)
         except RuntimeError:  # the caller's event loop is closed: nobody reads the request
-            self._abort(flight.client_id)
+            self._abort([flight.client_id])
 
-    def _abort(self, client_id: str) -> None:
-        flight = self._flights.pop(self._wire_ids.pop(client_id, ""), None)
-        if flight is not None:
-            self._release(flight)
-            self._abort_on(flight.plan, flight.request.request_id)
+    def _abort(self, client_ids: list[str]) -> None:
+        aborted = []
+        for client_id in client_ids:
+            flight = self._flights.pop(self._wire_ids.pop(client_id, ""), None)
+            if flight is not None:
+                self._release(flight)
+                aborted.append((flight.plan, flight.request.request_id))
+        self._abort_on(aborted)
 
-    def _abort_on(self, plan: Plan | None, request_id: str) -> None:
-        """Tell every instance of the plan: whichever holds the request's state drops it."""
-        if plan is None:
-            return
-        for iid in {plan.encoder_id, plan.prefill_id, plan.decode_id} - {None}:
+    def _abort_on(self, requests: list[tuple[Plan | None, str]]) -> None:
+        """Tell every instance of each (plan, request id): whichever holds the request's
+        state drops it. One call per instance."""
+        by_instance: dict[str, list[str]] = {}
+        for plan, request_id in requests:
+            if plan is not None:
+                for iid in {plan.encoder_id, plan.prefill_id, plan.decode_id} - {None}:
+                    by_instance.setdefault(iid, []).append(request_id)
+        for iid, request_ids in by_instance.items():
             handle = self._handles.get(iid)
             if handle is not None:
-                handle.abort.remote([request_id])
+                handle.abort.remote(request_ids)
 
     # ---- data plane --------------------------------------------------------------------
     def _dispatch(self, instance_id: str, outputs: list[EngineCoreOutput]) -> None:
@@ -339,7 +370,7 @@ class Front:
         for flight in [f for f in self._flights.values() if instance_id in f.sources]:
             rid = flight.request.request_id
             self._release(flight)
-            self._abort_on(flight.plan, rid)
+            self._abort_on([(flight.plan, rid)])
             if not flight.yielded and flight.attempts <= MAX_RETRIES:
                 logger.warning(
                     "request %r: instance %s %s; planning it again", rid, instance_id, reason
@@ -347,7 +378,7 @@ class Front:
                 self._submit(flight)
             else:
                 message = f"instance {instance_id} {reason} serving the request"
-                self._finish(flight, [_error(rid, message)])
+                self._finish(flight, [_error(rid, message, unavailable=True)])
 
     async def _pull_loop(self, instance_id: str) -> None:
         """Read one instance for as long as it is a member."""
@@ -460,12 +491,11 @@ class Front:
             load = self.policy.instances[iid]
             ok = not isinstance(result, BaseException)
             stats.append({**(result if ok else {"id": iid, "role": load.role}),
-                          "healthy": load.healthy and ok})  # fmt: skip
+                          "healthy": load.healthy and ok, "reachable": ok})  # fmt: skip
         return stats
 
     async def _stop(self) -> None:
-        for client_id in list(self._wire_ids):
-            self._abort(client_id)
+        self._abort(list(self._wire_ids))
         tasks = [*self._pullers.values(), asyncio.wrap_future(self._watcher)]
         for task in tasks:
             task.cancel()
@@ -492,8 +522,10 @@ def _images(request: Request) -> list[tuple[int, int, str]]:
     return [(f.offset, f.end, f.mm_hash) for f in request.mm_features]
 
 
-def _error(request_id: str, message: str) -> EngineCoreOutput:
-    return EngineCoreOutput(request_id, [], finish_reason="error", error=message)
+def _error(request_id: str, message: str, unavailable: bool = False) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id, [], finish_reason="error", error=message, unavailable=unavailable
+    )
 
 
 def pull_object_ids(since: float) -> set[str]:

@@ -28,6 +28,7 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
+from actors.instance_metrics import InstanceMetrics
 from actors.kv_events import KVEventLog
 from actors.messages import LoadReport, PullReply, Route
 from actors.pixels import prefetch
@@ -56,6 +57,7 @@ class InstanceSpec:
     instance_id: str  # also the Ray actor name: consumers ack producers by it
     role: str
     engine: EngineConfig
+    model_name: str  # the id clients use: the `model_name` label of the exported metrics
     kv_lease_s: float = 60.0
     kv_load_timeout_s: float = 60.0
     ec_timeout_s: float = 30.0
@@ -111,6 +113,7 @@ class InstanceActor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reaper: asyncio.Task | None = None
         self._stats: dict[str, Any] = {}
+        self._metrics = InstanceMetrics(spec.model_name, spec.instance_id, spec.role)
         self._stopping = False
         self._draining = False
         self._paused = threading.Event()
@@ -264,6 +267,7 @@ class InstanceActor:
             self._drain_inbox(block=idle)  # an ack, like any command, ends the wait
             if not self._paused.is_set() and core.has_work() and not self._step_once():
                 time.sleep(IDLE_YIELD_S)
+            self._metrics.maybe_record(self._stats)
         self._fail_all("instance is shutting down")
 
     def _step_once(self) -> bool:

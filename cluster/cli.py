@@ -47,6 +47,7 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "served_model_name": (("gateway", "served_model_name"), str),
     "address": (("ray", "address"), str),
     "num_blocks": (("engine", "num_blocks"), int),
+    "kv_cache_memory_fraction": (("engine", "kv_cache_memory_fraction"), float),
     "block_size": (("engine", "block_size"), int),
     "max_model_len": (("engine", "max_model_len"), int),
     "max_num_seqs": (("engine", "max_num_seqs"), int),
@@ -60,6 +61,7 @@ SERVE_EXAMPLES = """examples:
   pdcluster serve --model /models/Llama-3.2-1B-Instruct --prefills 2 --decodes 1 --port 8080
   pdcluster serve --config local-1e1p1d          # a built-in topology, by name
   pdcluster serve --config my-topology.yaml --num-blocks 2048
+  pdcluster serve --config my-topology.yaml --kv-cache-memory-fraction 0.9   # KV by memory
   pdcluster serve --address 10.0.0.5:6379 --model /models/m --mixed 2   # an existing Ray
 
 Without --config the topology is exactly the role counts given (none: 1 prefill, 1 decode).

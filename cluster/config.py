@@ -14,7 +14,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import (
+    DEFAULT_NUM_BLOCKS,
+    KV_SIZING_FIELDS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    kv_sizing_fields_set,
+)
 
 ROLES = ("encoder", "prefill", "decode", "mixed")
 AUTOSCALED_ROLES = ("prefill", "decode")
@@ -88,9 +95,19 @@ def describe_errors(exc: ValidationError) -> str:
 
 def _override_errors(role: str, exc: ValidationError) -> str:
     """`exc` of a role's engine overrides, each error located as `<role>.engine.<key>`."""
-    return "; ".join(
-        f"{role}.engine.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
-    )
+    parts = []
+    for e in exc.errors():
+        where = ".".join(map(str, (role, "engine", *e["loc"])))
+        parts.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
+def without_replaced_kv_sizing(engine: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`engine` settings without their KV pool sizing when `overrides` size it another way:
+    a role's (or a flag's) `kv_cache_memory_fraction` replaces the cluster's `num_blocks`."""
+    if not overrides.keys() & set(KV_SIZING_FIELDS):
+        return engine
+    return {k: v for k, v in engine.items() if k not in KV_SIZING_FIELDS}
 
 
 class _Strict(BaseModel):
@@ -101,7 +118,18 @@ class EngineSettings(_Strict):
     """Per-instance engine settings (a role may override any of them)."""
 
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
-    num_blocks: int = Field(1024, ge=1, description="KV blocks in each instance's pool")
+    num_blocks: int | None = Field(
+        None, ge=1, description=f"KV blocks in each instance's pool (unset: {DEFAULT_NUM_BLOCKS}, "
+        "or sized by kv_cache_memory_fraction or kv_cache_memory_bytes; set only one of the three)",
+    )  # fmt: skip
+    kv_cache_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="size the KV pool from memory: this share of the device's "
+        "memory (GPU: total; CPU: the container's memory limit, else physical memory) holds "
+        "the weights and the KV cache",
+    )  # fmt: skip
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="size the KV pool to this many bytes"
+    )
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
     max_num_seqs: int = Field(128, ge=1, description="running requests at most")
     max_model_len: int = Field(2048, ge=2, description="prompt + output tokens at most")
@@ -113,6 +141,11 @@ class EngineSettings(_Strict):
         "auto", description="'auto': float32 on CPU, bfloat16 on GPU"
     )
     seed: int = Field(0, description="seed for weights-independent randomness")
+
+    @model_validator(mode="after")
+    def _check_kv_sizing(self) -> EngineSettings:
+        kv_sizing_fields_set(self)
+        return self
 
 
 class RoleSpec(_Strict):
@@ -169,6 +202,20 @@ class GatewaySettings(_Strict):
     replicas: int = Field(
         1, ge=1, le=64, description="gateway processes sharing the listen address (SO_REUSEPORT)"
     )
+    num_cpus: float = Field(
+        0.0, ge=0, description="CPUs each gateway replica reserves (Serve replicas, and the "
+        "actors of `replicas`); above 0 they never land on a head started with num-cpus 0",
+    )  # fmt: skip
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each gateway replica asks for, e.g. "
+        "{'pdcluster_gateway': 1}: replicas go only to nodes (KubeRay worker groups) that "
+        "declare it, never to the head",
+    )
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        """The Ray resources of one gateway replica actor."""
+        return {"num_cpus": self.num_cpus, "resources": dict(self.resources)}
 
 
 class RaySettings(_Strict):
@@ -295,14 +342,20 @@ class ClusterConfig(_Strict):
 
     def engine_settings(self, role: str) -> EngineSettings:
         overrides = self.role(role).engine
-        return EngineSettings(**{**self.engine.model_dump(), **overrides})
+        base = without_replaced_kv_sizing(self.engine.model_dump(), overrides)
+        return EngineSettings(**{**base, **overrides})
 
     def engine_config(self, role: str, model_dir: str) -> EngineConfig:
         """The frozen engine config of one instance of `role`."""
         s = self.engine_settings(role)
         return EngineConfig(
             model=model_dir,
-            cache=CacheConfig(block_size=s.block_size, num_blocks=s.num_blocks),
+            cache=CacheConfig(
+                block_size=s.block_size,
+                num_blocks=s.num_blocks,
+                kv_cache_memory_fraction=s.kv_cache_memory_fraction,
+                kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+            ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=s.max_num_batched_tokens,
                 max_num_seqs=s.max_num_seqs,
@@ -316,6 +369,12 @@ class ClusterConfig(_Strict):
             dtype=s.dtype,
             seed=s.seed,
         )
+
+    def served_model_name(self, model: str) -> str:
+        """The model id clients use: the configured name, else the preset or folder name of
+        `model` (the model this cluster serves)."""
+        name = self.gateway.served_model_name or model
+        return name.removeprefix("preset:").rstrip("/").rsplit("/", 1)[-1]
 
     def topology_name(self) -> str:
         letters = {"encoder": "E", "prefill": "P", "decode": "D", "mixed": "mixed"}
@@ -333,7 +392,10 @@ class ClusterConfig(_Strict):
         """A YAML config (a path or a built-in name; None: none) with `overrides` on top, all
         validated together. Errors are one ValueError naming the file and the fields."""
         path = None if name_or_path is None else config_path(name_or_path)
-        data = merge(read_yaml(path) if path else {}, overrides or {})
+        base, overrides = read_yaml(path) if path else {}, overrides or {}
+        if isinstance(base.get("engine"), dict) and isinstance(overrides.get("engine"), dict):
+            base["engine"] = without_replaced_kv_sizing(base["engine"], overrides["engine"])
+        data = merge(base, overrides)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:

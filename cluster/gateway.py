@@ -23,11 +23,12 @@ from urllib.parse import urlparse
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.config import GatewaySettings
 from cluster.metrics import GatewayMetrics
@@ -41,21 +42,28 @@ from cluster.protocol import (
 from cluster.sse import DONE, ChunkEncoder, EventStreamResponse
 from cluster.tools import ToolCallParser, forced_call_schema
 from engine.multimodal import decode_data_url, load_image
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, TopLogprobs
 from engine.request import Request as EngineRequest
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer, chat_template_takes_content_parts, chat_template_takes_tools
 from pdcluster import __version__
+from routing.fanout import fan_out
+from routing.handoff import max_new_tokens
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 DISCONNECT_POLL_S = 0.1
+CLUSTER_VIEW_TIMEOUT_S = 1.0  # /v1/cluster and /metrics: an instance slower than this is
+# reported unreachable (one restarting would otherwise hold every call for seconds)
+RETRY_AFTER_S = 5  # told to clients whose request lost its instance
 IMAGE_FETCH_TIMEOUT_S = 10.0
 COMPONENTS = "#/components/schemas/"
 # A \uXXXX escape of a UTF-16 surrogate: only through one can an ASCII body hold a lone one.
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # Behind the API key, with every path under /v1/ (/health, /metrics and the docs stay open).
 KEYED_PATHS = ("/tokenize", "/detokenize", "/version")
+# The methods counted by name in pdcluster_http_requests_total (others are `other`).
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 class ClusterClient(Protocol):
@@ -67,9 +75,13 @@ class ClusterClient(Protocol):
         self, prompt: Any, params: SamplingParams, request_id: str
     ) -> EngineRequest: ...
 
-    def stream(self, request: EngineRequest) -> AsyncIterator[EngineCoreOutput]: ...
+    kv_tokens_per_instance: int
 
-    async def stats_async(self) -> list[dict[str, Any]]: ...
+    def stream_group(
+        self, requests: list[EngineRequest]
+    ) -> AsyncIterator[tuple[int, EngineCoreOutput]]: ...
+
+    async def stats_async(self, timeout_s: float = ...) -> list[dict[str, Any]]: ...
 
     async def scale(self, role: str, count: int) -> dict[str, str]: ...
 
@@ -78,10 +90,16 @@ class ClusterClient(Protocol):
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, code: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         kind = "invalid_request_error" if self.status < 500 else "internal_error"
@@ -90,29 +108,46 @@ class APIError(Exception):
         body = {
             "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         }
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 @dataclass
 class _Result:
-    """One prompt's output as it accumulates."""
+    """One sequence's output as it accumulates."""
 
-    index: int
+    index: int  # its choice's
+    prompt_index: int  # the prompt it samples: usage counts each prompt once
     num_prompt_tokens: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when alternatives were asked
     finish_reason: str | None = None
     error: str | None = None
+    unavailable: bool = False  # the error was the cluster's (see EngineCoreOutput)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(self.logprobs)
+
+
+@dataclass
+class _Group:
+    """The sequences sampling one prompt (n, best_of), run together (`stream_group`)."""
+
+    requests: list[EngineRequest]
+    results: list[_Result]
 
 
 def create_app(
     cluster: ClusterClient, settings: GatewaySettings, model_name: str, max_model_len: int
 ) -> FastAPI:
     app = FastAPI(title="pdcluster", version="0.1.0")
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(model_name, max_model_len)
     gw = _Gateway(cluster, settings, model_name, max_model_len, metrics)
-    app.add_middleware(_Guard, gateway=gw)
+    app.add_middleware(
+        _Guard, gateway=gw, http_requests=metrics.http_requests, routes=app.router.routes
+    )
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -157,7 +192,8 @@ def create_app(
 
     @app.get("/v1/cluster")
     async def cluster_view() -> dict[str, Any]:
-        return {"instances": [_instance_view(s) for s in await cluster.stats_async()]}
+        stats = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
+        return {"instances": [_instance_view(s) for s in stats]}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -187,7 +223,7 @@ def create_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         try:
-            metrics.instances.snapshot = await asyncio.wait_for(cluster.stats_async(), 5.0)
+            metrics.instances.snapshot = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
             metrics.instances.planner = await asyncio.wait_for(cluster.planner_state(), 5.0)
         except Exception:  # noqa: BLE001 - serve the request metrics even then
             metrics.instances.snapshot = []
@@ -200,22 +236,45 @@ def create_app(
 
 
 class _Guard:
-    """API key and declared body size, checked before routing. A plain ASGI middleware: an
-    `@app.middleware("http")` one would pass every request and streamed chunk through a
-    task group and memory streams (a fraction of a millisecond each)."""
+    """API key and declared body size, checked before routing; every response's status
+    counted. A plain ASGI middleware: an `@app.middleware("http")` one would pass every
+    request and streamed chunk through a task group and memory streams (a fraction of a
+    millisecond each)."""
 
-    def __init__(self, app: ASGIApp, gateway: _Gateway) -> None:
+    def __init__(
+        self, app: ASGIApp, gateway: _Gateway, http_requests: Counter, routes: list[BaseRoute]
+    ) -> None:
         self.app, self.gateway = app, gateway
+        self.http_requests, self.routes = http_requests, routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            try:
-                self.gateway.authorize(scope)
-                self.gateway.check_size(scope)
-            except APIError as exc:
-                await exc.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
+                labels = (self._endpoint(scope), method, str(message["status"]))
+                self.http_requests.labels(*labels).inc()
+            await send(message)
+
+        try:
+            self.gateway.authorize(scope)
+            self.gateway.check_size(scope)
+        except APIError as exc:
+            await exc.response()(scope, receive, counted)
+            return
+        await self.app(scope, receive, counted)
+
+    def _endpoint(self, scope: Scope) -> str:
+        """The matched route's path; before routing, the request's path when a route has
+        it; else `other` (so that probes of random paths add no series)."""
+        route = scope.get("route")
+        if route is not None:
+            return route.path
+        path = scope["path"]
+        return path if any(getattr(r, "path", None) == path for r in self.routes) else "other"
 
 
 def _request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -246,6 +305,7 @@ def _instance_view(s: dict[str, Any]) -> dict[str, Any]:
         "id": s.get("id"),
         "role": s.get("role"),
         "healthy": bool(s.get("healthy")),
+        "reachable": bool(s.get("reachable", True)),
         "num_blocks_total": s.get("num_blocks_total", 0),
         "num_blocks_free": s.get("num_blocks_free", 0),
         "num_running": s.get("num_running", 0),
@@ -348,22 +408,33 @@ class _Gateway:
                     "invalid_value",
                     "prompt",
                 )
-            params = body.sampling_params(body.max_tokens, body.logprobs)
+            num_seqs = body.num_seqs()
+            # best_of ranks sequences by their cumulative log-probability
+            logprobs = 0 if body.logprobs is None and num_seqs > body.n else body.logprobs
+            asked_by = "n" if num_seqs == body.n else "best_of"
+            params = self._sampling_params(body, body.max_tokens, logprobs)
             await self._check_grammar(params)
-            requests = [self._make(p, params) for p in prompts]
+            groups = [
+                self._group(j, self._make(p, params), num_seqs, asked_by)
+                for j, p in enumerate(prompts)
+            ]
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
+        echoes = [self._echo(p) for p in prompts] if body.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._completion_chunks(rid, requests, include_usage, body.logprobs)
+            chunks = self._completion_chunks(rid, groups, include_usage, body.logprobs, echoes)
             return EventStreamResponse(chunks)
-        results = await self._run_to_end(http, requests)
+        await self._run_to_end(http, groups)
+        results = [r for g in groups for r in _best(g.results, body.n)]
         choices = [
             {
                 "index": r.index,
-                "text": r.text,
-                "logprobs": self._completion_logprobs(r.token_ids, r.logprobs, body.logprobs),
+                "text": (echoes[r.prompt_index] if echoes else "") + r.text,
+                "logprobs": self._completion_logprobs(
+                    r.token_ids, r.logprobs, r.top_logprobs, body.logprobs
+                ),
                 "finish_reason": r.finish_reason,
             }
             for r in results
@@ -375,7 +446,7 @@ class _Gateway:
                 "created": int(time.time()),
                 "model": self.model_name,
                 "choices": choices,
-                "usage": _usage(results),
+                "usage": _usage([r for g in groups for r in g.results]),
             }
         )
 
@@ -389,40 +460,45 @@ class _Gateway:
             prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
-            params = body.sampling_params(body.max_new_tokens(), 0 if body.logprobs else None)
+            params = self._sampling_params(body, body.max_new_tokens(), body.num_logprobs())
             forced = forced_call_schema(body)
             if forced is not None:
                 structured = StructuredOutputsParams(json=json.dumps(forced))
                 params = dataclasses.replace(params, structured_outputs=structured)
             await self._check_grammar(params)
-            requests = [self._make(prompt, params)]
+            group = self._group(0, self._make(prompt, params), body.n, "n")
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._chat_chunks(rid, requests[0], include_usage, body.logprobs, tool_parser)
+            chunks = self._chat_chunks(rid, group, include_usage, body.logprobs, tool_parser)
             return EventStreamResponse(chunks)
-        result = (await self._run_to_end(http, requests))[0]
-        message: dict[str, Any] = {"role": "assistant", "content": result.text}
-        finish_reason = result.finish_reason
-        if tool_parser is not None:
-            fields, finish_reason = tool_parser.message(result.text, finish_reason)
-            message.update(fields)
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": self._chat_logprobs(result.token_ids, result.logprobs, body.logprobs),
-            "finish_reason": finish_reason,
-        }
+        await self._run_to_end(http, [group])
+        choices = []
+        for r in group.results:
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            finish_reason = r.finish_reason
+            if tool_parser is not None:
+                fields, finish_reason = tool_parser.message(r.text, finish_reason)
+                message.update(fields)
+            logprobs = self._chat_logprobs(r.token_ids, r.logprobs, r.top_logprobs, body.logprobs)
+            choices.append(
+                {
+                    "index": r.index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            )
         return JSONResponse(
             {
                 "id": rid,
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [choice],
-                "usage": _usage([result]),
+                "choices": choices,
+                "usage": _usage(group.results),
             }
         )
 
@@ -463,6 +539,31 @@ class _Gateway:
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     # ---- request building ------------------------------------------------------------
+    def _sampling_params(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        params = body.sampling_params(max_tokens, logprobs)
+        vocab_size = self.cluster.tokenizer.vocab_size
+        outside = [t for t in params.logit_bias if t >= vocab_size]
+        if outside:
+            raise APIError(
+                400,
+                f"logit_bias: {outside[0]} is not a token id of this model "
+                f"(vocabulary of {vocab_size})",
+                "invalid_value",
+                "logit_bias",
+            )
+        return params
+
+    def _echo(self, prompt: str | list[int]) -> str:
+        """The prompt as `echo` puts it before a completion's text."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.cluster.tokenizer.decode(prompt, skip_special_tokens=False)
+
     @cached_property
     def _grammars(self) -> GrammarCompiler:
         tokenizer = self.cluster.tokenizer
@@ -551,6 +652,28 @@ class _Gateway:
             )
         return request
 
+    def _group(
+        self, prompt_index: int, request: EngineRequest, num_seqs: int, asked_by: str
+    ) -> _Group:
+        """The prompt's `num_seqs` sequences. Planned onto one instance together, they must
+        all fit its KV cache at once (`asked_by`: the body field that asked for them)."""
+        max_new = max_new_tokens(request, self.max_model_len)
+        capacity = self.cluster.kv_tokens_per_instance
+        if num_seqs > 1 and num_seqs * (request.num_prompt_tokens + max_new) > capacity:
+            raise APIError(
+                400,
+                f"{asked_by}: {num_seqs} sequences of {request.num_prompt_tokens} prompt tokens and "
+                f"up to {max_new} new tokens each exceed the {capacity} tokens of KV cache one "
+                f"instance holds; lower {asked_by} or max_tokens",
+                "invalid_value",
+                asked_by,
+            )
+        first = prompt_index * num_seqs
+        results = [
+            _Result(first + i, prompt_index, request.num_prompt_tokens) for i in range(num_seqs)
+        ]
+        return _Group(fan_out(request, num_seqs), results)
+
     async def _fetch_image(self, url: str) -> Any:
         """A data: URL, or an http(s) URL whose host the config allow-lists (no other
         server-side fetch is ever made)."""
@@ -569,35 +692,40 @@ class _Gateway:
 
     # ---- running ---------------------------------------------------------------------
     async def _outputs(
-        self, result: _Result, request: EngineRequest
-    ) -> AsyncGenerator[EngineCoreOutput, None]:
-        """Drive one request, accumulating `result` and recording latency metrics."""
-        start = last = time.perf_counter()
-        self.metrics.prompt_tokens.inc(request.num_prompt_tokens)
-        async for out in self.cluster.stream(request):
-            now = time.perf_counter()
-            if out.new_token_ids:
-                (self.metrics.itl if result.token_ids else self.metrics.ttft).observe(now - last)
-                last = now
-                self.metrics.generated_tokens.inc(len(out.new_token_ids))
-            result.text += out.new_text
-            result.token_ids += out.new_token_ids
-            result.logprobs += out.new_logprobs or []
-            if out.finished:
-                result.finish_reason, result.error = out.finish_reason, out.error
-            yield out
-        self.metrics.e2e.observe(time.perf_counter() - start)
-        self.metrics.requests.labels(result.finish_reason or "abort").inc()
+        self, group: _Group
+    ) -> AsyncGenerator[tuple[_Result, EngineCoreOutput], None]:
+        """Drive one prompt's sequences, accumulating their results and recording their
+        metrics (also when the client goes away: closing or cancelling this aborts the
+        unfinished ones and counts them as aborted)."""
+        timers = [self.metrics.start(r.num_prompt_tokens) for r in group.requests]
+        try:
+            async with contextlib.aclosing(self.cluster.stream_group(group.requests)) as outputs:
+                async for i, out in outputs:
+                    result = group.results[i]
+                    timers[i].observe(out)
+                    result.text += out.new_text
+                    result.token_ids += out.new_token_ids
+                    result.logprobs += out.new_logprobs or []
+                    result.top_logprobs += out.new_top_logprobs or []
+                    if out.finished:
+                        result.finish_reason, result.error = out.finish_reason, out.error
+                        result.unavailable = out.unavailable
+                    yield result, out
+        finally:
+            for timer, result in zip(timers, group.results):
+                timer.finish(result.finish_reason)
 
-    async def _collect(self, index: int, request: EngineRequest) -> _Result:
-        result = _Result(index, request.num_prompt_tokens)
-        async for _ in self._outputs(result, request):
-            pass
-        return result
+    async def _run_to_end(self, http: Request, groups: list[_Group]) -> None:
+        """Non-streaming: every sequence at once, into its result. A client that disconnects,
+        or a sequence that fails, aborts the others."""
 
-    async def _run_to_end(self, http: Request, requests: list[EngineRequest]) -> list[_Result]:
-        """Non-streaming: all prompts at once; a client that disconnects aborts them."""
-        work = asyncio.gather(*(self._collect(i, r) for i, r in enumerate(requests)))
+        async def drain() -> None:
+            async with contextlib.aclosing(self._merged(groups)) as outputs:
+                async for result, out in outputs:
+                    if out.finish_reason == "error":
+                        raise _failure(result)
+
+        work = asyncio.ensure_future(drain())
         watch = asyncio.ensure_future(_wait_disconnect(http))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -606,52 +734,59 @@ class _Gateway:
                 raise APIError(499, "client closed the request", "client_closed")
         finally:
             watch.cancel()
-        results = work.result()
-        failed = [r for r in results if r.finish_reason == "error"]
-        if failed:
-            raise APIError(500, failed[0].error or "the request failed", "request_failed")
-        return results
+        work.result()
 
     async def _merged(
-        self, requests: list[EngineRequest]
-    ) -> AsyncGenerator[tuple[int, EngineCoreOutput, _Result], None]:
-        """Outputs of several requests as they arrive (closing this aborts all of them)."""
-        results = [_Result(i, r.num_prompt_tokens) for i, r in enumerate(requests)]
-        if len(requests) == 1:  # no task and queue hop between the cluster and the client
-            async with contextlib.aclosing(self._outputs(results[0], requests[0])) as outputs:
-                async for out in outputs:
-                    yield 0, out, results[0]
+        self, groups: list[_Group]
+    ) -> AsyncGenerator[tuple[_Result, EngineCoreOutput], None]:
+        """Outputs of several prompts' sequences as they arrive (closing this aborts all)."""
+        if len(groups) == 1:  # no task and queue hop between the cluster and the client
+            async with contextlib.aclosing(self._outputs(groups[0])) as outputs:
+                async for item in outputs:
+                    yield item
             return
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(result: _Result, request: EngineRequest) -> None:
-            async for out in self._outputs(result, request):
-                queue.put_nowait((result.index, out, result))
+        async def pump(group: _Group) -> None:
+            async with contextlib.aclosing(self._outputs(group)) as outputs:
+                async for item in outputs:
+                    queue.put_nowait(item)
 
-        tasks = [asyncio.ensure_future(pump(*pair)) for pair in zip(results, requests)]
-        remaining = len(requests)
+        tasks = [asyncio.ensure_future(pump(group)) for group in groups]
+        remaining = sum(len(g.results) for g in groups)
         try:
             while remaining:
-                index, out, result = await queue.get()
+                result, out = await queue.get()
                 remaining -= out.finished
-                yield index, out, result
+                yield result, out
         finally:
             for task in tasks:
                 task.cancel()
 
     async def _completion_chunks(
-        self, rid: str, requests: list[EngineRequest], include_usage: bool, logprobs: int | None
+        self,
+        rid: str,
+        groups: list[_Group],
+        include_usage: bool,
+        logprobs: int | None,
+        echoes: list[str] | None,
     ) -> AsyncGenerator[bytes, None]:
         sse = ChunkEncoder(rid, "text_completion", int(time.time()), self.model_name)
-        results: dict[int, _Result] = {}
-        async with contextlib.aclosing(self._merged(requests)) as outputs:
-            async for index, out, result in outputs:
-                results[index] = result
+        results = [r for g in groups for r in g.results]
+        for result in results if echoes else []:
+            text = echoes[result.prompt_index]
+            choice = {"index": result.index, "text": text, "logprobs": None, "finish_reason": None}
+            yield sse.event([choice])
+        async with contextlib.aclosing(self._merged(groups)) as outputs:
+            async for result, out in outputs:
                 choice = {
-                    "index": index,
+                    "index": result.index,
                     "text": out.new_text,
                     "logprobs": self._completion_logprobs(
-                        out.new_token_ids, out.new_logprobs or [], logprobs
+                        out.new_token_ids,
+                        out.new_logprobs or [],
+                        out.new_top_logprobs or [],
+                        logprobs,
                     ),
                     "finish_reason": out.finish_reason,
                 }
@@ -659,13 +794,13 @@ class _Gateway:
                     choice["error"] = out.error
                 yield sse.event([choice])
         if include_usage:
-            yield sse.event([], _usage(list(results.values())))
+            yield sse.event([], _usage(results))
         yield DONE
 
     async def _chat_chunks(
         self,
         rid: str,
-        request: EngineRequest,
+        group: _Group,
         include_usage: bool,
         logprobs: bool,
         tool_parser: ToolCallParser | None,
@@ -674,73 +809,117 @@ class _Gateway:
         as tool calls."""
         sse = ChunkEncoder(rid, "chat.completion.chunk", int(time.time()), self.model_name)
         role = {"role": "assistant", "content": ""}
-        yield sse.event([{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}])
-        final, num_sent = None, 0  # tokens whose logprobs went out (held-back text waits)
-        async with contextlib.aclosing(self._merged([request])) as outputs:
-            async for _, out, result in outputs:
-                final = result
+        for result in group.results:
+            choice = {"index": result.index, "delta": role, "logprobs": None, "finish_reason": None}
+            yield sse.event([choice])
+        num_sent = [0] * len(group.results)  # tokens whose logprobs went out (held-back text waits)
+        async with contextlib.aclosing(self._merged([group])) as outputs:
+            async for result, out in outputs:
                 if not out.finished and (not out.new_text or tool_parser is not None):
                     continue  # text held back (an incomplete character, a possible stop string)
                 delta: dict[str, Any] = {"content": out.new_text} if out.new_text else {}
                 finish_reason = out.finish_reason
                 if tool_parser is not None:
                     delta, finish_reason = tool_parser.message(result.text, finish_reason, True)
-                ids, lps = result.token_ids[num_sent:], result.logprobs[num_sent:]
-                num_sent = len(result.token_ids)
+                sent = num_sent[result.index]
+                ids, lps = result.token_ids[sent:], result.logprobs[sent:]
+                tops = result.top_logprobs[sent:]
+                num_sent[result.index] = len(result.token_ids)
                 choice = {
-                    "index": 0,
+                    "index": result.index,
                     "delta": delta,
-                    "logprobs": self._chat_logprobs(ids, lps, logprobs),
+                    "logprobs": self._chat_logprobs(ids, lps, tops, logprobs),
                     "finish_reason": finish_reason,
                 }
                 if out.finish_reason == "error":
                     choice["error"] = out.error
                 yield sse.event([choice])
-        if include_usage and final is not None:
-            yield sse.event([], _usage([final]))
+        if include_usage:
+            yield sse.event([], _usage(group.results))
         yield DONE
 
     # ---- logprobs --------------------------------------------------------------------
-    # Only the sampled token's log-probability: top-N entries are refused at parse time.
+    # `tops` is empty when the request asked for no alternatives, else one per token.
     def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[float], wanted: int | None
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        tops: list[TopLogprobs],
+        wanted: int | None,
     ) -> dict[str, Any] | None:
+        """OpenAI's legacy shape: per token, a {token: logprob} of the likeliest `wanted`
+        and the sampled one."""
         if wanted is None:
             return None
-        tokens = [self.cluster.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+        tokens = [self._token_text(t) for t in token_ids]
+        top_logprobs = []
+        for i, (token, lp) in enumerate(zip(tokens, logprobs)):
+            entry = dict(self._alternatives(tops[i])) if tops else {}
+            entry.setdefault(token, lp)
+            top_logprobs.append(entry)
         return {
             "tokens": tokens,
             "token_logprobs": logprobs,
-            "top_logprobs": None,
+            "top_logprobs": top_logprobs,
             "text_offset": None,
         }
 
     def _chat_logprobs(
-        self, token_ids: list[int], logprobs: list[float], wanted: bool
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        tops: list[TopLogprobs],
+        wanted: bool,
     ) -> dict[str, Any] | None:
         if not wanted:
             return None
-        tok = self.cluster.tokenizer
-        content = [
-            {
-                "token": tok.decode([t], skip_special_tokens=False),
-                "logprob": lp,
-                "bytes": None,
-                "top_logprobs": [],
-            }
-            for t, lp in zip(token_ids, logprobs)
-        ]
+        content = []
+        for i, (token_id, lp) in enumerate(zip(token_ids, logprobs)):
+            entry = _chat_entry(self._token_text(token_id), lp)
+            alternatives = self._alternatives(tops[i]) if tops else []
+            entry["top_logprobs"] = [_chat_entry(t, alt_lp) for t, alt_lp in alternatives]
+            content.append(entry)
         return {"content": content}
+
+    def _alternatives(self, top: TopLogprobs) -> list[tuple[str, float]]:
+        return [(self._token_text(t), lp) for t, lp in zip(top.token_ids, top.logprobs)]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.cluster.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 def _usage(results: list[_Result]) -> dict[str, int]:
-    prompt = sum(r.num_prompt_tokens for r in results)
+    """Each prompt counted once, however many sequences sampled it; every sequence's tokens."""
+    prompt = sum({r.prompt_index: r.num_prompt_tokens for r in results}.values())
     completion = sum(len(r.token_ids) for r in results)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+def _best(results: list[_Result], n: int) -> list[_Result]:
+    """The n results of one prompt with the highest cumulative log-probability (best_of),
+    as choices numbered after the prompt's."""
+    if len(results) == n:
+        return results
+    ranked = sorted(results, key=lambda r: r.cumulative_logprob, reverse=True)[:n]
+    return [dataclasses.replace(r, index=r.prompt_index * n + i) for i, r in enumerate(ranked)]
+
+
+def _failure(result: _Result) -> APIError:
+    """A non-streamed request's error: 503 when it lost its instance (a retry may succeed)."""
+    if result.unavailable:
+        return APIError(
+            503, result.error or "no instance could serve the request", "unavailable",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )  # fmt: skip
+    return APIError(500, result.error or "the request failed", "request_failed")
 
 
 def _download(url: str, max_bytes: int) -> bytes:

@@ -44,7 +44,13 @@ if TYPE_CHECKING:
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens")
-FLOAT_FIELDS = ("temperature", "top_p")
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 LIST_FIELDS = ("stop", "stop_token_ids")
 SAMPLING_FIELDS = (*INT_FIELDS, *FLOAT_FIELDS, *BOOL_FIELDS, *LIST_FIELDS)

@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from actors.front import Front
+from actors.front import STATS_TIMEOUT_S, Front
 from cluster.config import ClusterConfig, RaySettings
 from cluster.pool import READY_TIMEOUT_S, PlacementTimeout, PoolController
 from engine.llm import RequestOutput, merge_output, new_request_output
@@ -90,6 +90,11 @@ class Cluster:
         """Outputs of one request as they arrive; leaving early aborts it everywhere."""
         return self.front.stream(request)
 
+    def stream_group(self, requests: list[Request]) -> AsyncIterator[tuple[int, EngineCoreOutput]]:
+        """(index, output) of requests sampling one prompt, planned together so the prompt is
+        computed once (see `Front.stream_group`); leaving early aborts them all."""
+        return self.front.stream_group(requests)
+
     @property
     def instances(self) -> dict[str, tuple[str, ray.actor.ActorHandle]]:
         """instance id -> (role, actor handle), as this replica sees the pool now."""
@@ -123,19 +128,27 @@ class Cluster:
     def stats(self) -> list[dict[str, Any]]:
         return self.front.cluster_stats().result()
 
-    async def stats_async(self) -> list[dict[str, Any]]:
-        return await asyncio.wrap_future(self.front.cluster_stats())
+    async def stats_async(self, timeout_s: float = STATS_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Every instance's stats, waiting at most `timeout_s` for each (see
+        `Front.cluster_stats`)."""
+        return await asyncio.wrap_future(self.front.cluster_stats(timeout_s))
 
     @property
     def model_name(self) -> str:
         """The model id clients use: the configured name, else the preset or folder name."""
-        name = self.config.gateway.served_model_name or self.config.model or DEFAULT_MODEL
-        return name.removeprefix("preset:").rstrip("/").rsplit("/", 1)[-1]
+        return self.config.served_model_name(self.config.model or DEFAULT_MODEL)
 
     @property
     def max_model_len(self) -> int:
         roles = [r for r in ("decode", "mixed", "prefill") if self.config.role(r).count]
         return self.config.engine_settings(roles[0]).max_model_len
+
+    @property
+    def kv_tokens_per_instance(self) -> int:
+        """The KV tokens of the smallest pool that holds a request's sequences to the end."""
+        roles = [r for r in ("decode", "mixed") if self.config.role(r).count] or ["prefill"]
+        settings = [self.config.engine_settings(r) for r in roles]
+        return min(s.num_blocks * s.block_size for s in settings)
 
     def wait_idle(self, timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Wait until every instance holds nothing (all blocks free, no request, no pending

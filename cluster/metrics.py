@@ -1,8 +1,15 @@
 """Prometheus metrics of the gateway: request latencies measured where the client sees them,
-and per-instance state read from the cluster at scrape time."""
+and per-instance state read from the cluster at scrape time.
+
+Request and engine metrics carry vLLM's names, types and `model_name` label (per instance:
+also `engine`, the instance id, and `role`), so that vLLM's dashboards read them; what vLLM
+has no name for (transfers, leases, instances, the planner, HTTP statuses) is `pdcluster_*`.
+Histograms use vLLM's bucket boundaries, with finer ones below them where ours are fast.
+"""
 
 from __future__ import annotations
 
+import time
 from collections import Counter as Counter_
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -16,21 +23,38 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-LATENCY_BUCKETS_S = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+from actors import instance_metrics
+from engine.outputs import EngineCoreOutput
 
-# Per-instance gauges: metric name -> (help, function of one instance's stats).
+FINE_BUCKETS_S = (0.001, 0.0025, 0.005)
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS_S = FINE_BUCKETS_S + (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_BUCKETS_S = FINE_BUCKETS_S + (0.01, 0.05, 0.1) + (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+def token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+# Per-instance series of ours: metric name -> (help, function of one instance's stats).
 _GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], float]]] = {
-    "pdcluster_kv_usage_ratio": (
-        "Fraction of the instance's KV blocks in use",
-        lambda s: (
-            1.0 - s["num_blocks_free"] / s["num_blocks_total"] if s.get("num_blocks_total") else 0.0
-        ),
-    ),
-    "pdcluster_num_running": ("Running requests", lambda s: s.get("num_running", 0)),
-    "pdcluster_num_waiting": ("Queued requests", lambda s: s.get("num_waiting", 0)),
     "pdcluster_num_deferred": (
         "Requests deferred (encoder output or remote KV in flight)",
         lambda s: s.get("num_deferred", 0),
@@ -39,12 +63,7 @@ _GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], float]]] = {
         "KV sends awaiting an ack plus KV loads in flight",
         lambda s: s.get("num_pending_sends", 0) + s.get("num_pending_recvs", 0),
     ),
-    "pdcluster_instance_healthy": (
-        "1 when this gateway replica sees the instance healthy",
-        lambda s: float(s.get("healthy", False)),
-    ),
 }
-# Per-instance counters kept by the instances themselves.
 _COUNTERS: dict[str, tuple[str, Callable[[dict[str, Any]], float]]] = {
     "pdcluster_kv_transfer_bytes": (
         "KV bytes published (P) or loaded (D)",
@@ -60,29 +79,50 @@ _COUNTERS: dict[str, tuple[str, Callable[[dict[str, Any]], float]]] = {
     ),
     "pdcluster_kv_transfers": ("KV loads completed", lambda s: s.get("num_loads", 0)),
 }
+_LABELS = ["instance", "role"]
+_VLLM_LABELS = list(instance_metrics.TAG_KEYS)
 
 
 class _InstanceCollector(Collector):
-    """Reads the last cluster snapshot (refreshed by the gateway before each scrape)."""
+    """Reads the last cluster snapshot (refreshed by the gateway before each scrape). An
+    instance that did not answer shows only in `pdcluster_instance_healthy`: its counters
+    are absent for that scrape rather than reset."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.snapshot: list[dict[str, Any]] = []
         self.planner: dict[str, Any] = {}  # the pool controller's planner_state()
 
     def collect(self) -> Iterable[Metric]:
         yield from self._pool()
-        labels = ["instance", "role"]
-        for name, (help_text, fn) in _GAUGES.items():
-            family = GaugeMetricFamily(name, help_text, labels=labels)
-            for s in self.snapshot:
-                family.add_metric([str(s.get("id")), str(s.get("role"))], float(fn(s)))
-            yield family
-        for name, (help_text, fn) in _COUNTERS.items():
-            family = CounterMetricFamily(name, help_text, labels=labels)
-            for s in self.snapshot:
-                family.add_metric([str(s.get("id")), str(s.get("role"))], float(fn(s)))
-            yield family
-        yield self._transfer_latency(labels)
+        answered = [s for s in self.snapshot if s.get("reachable", True)]
+        healthy = GaugeMetricFamily(
+            "pdcluster_instance_healthy",
+            "1 when this gateway replica sees the instance healthy",
+            labels=_LABELS,
+        )
+        for s in self.snapshot:
+            healthy.add_metric(_labels(s), float(bool(s.get("healthy"))))
+        yield healthy
+        for kind, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+            for name, (help_text, fn) in table.items():
+                family = kind(name, help_text, labels=_LABELS)
+                for s in answered:
+                    family.add_metric(_labels(s), float(fn(s)))
+                yield family
+        for kind, series in (
+            (GaugeMetricFamily, instance_metrics.GAUGES),
+            (CounterMetricFamily, instance_metrics.COUNTERS),
+        ):
+            for one in series:
+                family = kind(one.name, one.help, labels=_VLLM_LABELS)
+                for s in answered:
+                    family.add_metric(self._vllm_labels(s), float(one.value(s)))
+                yield family
+        yield self._transfer_latency(answered)
+
+    def _vllm_labels(self, s: dict[str, Any]) -> list[str]:
+        return [self.model_name, str(s.get("id")), str(s.get("role"))]
 
     def _pool(self) -> Iterable[Metric]:
         """Instances per role (live, and what the planner wants) and its decisions."""
@@ -104,50 +144,144 @@ class _InstanceCollector(Collector):
             decisions.add_metric([role, direction], float(count))
         yield from (actual, wanted, decisions)
 
-    def _transfer_latency(self, labels: list[str]) -> HistogramMetricFamily:
+    def _transfer_latency(self, answered: list[dict[str, Any]]) -> HistogramMetricFamily:
         """KV load latency on each decode instance, from its connector's histogram."""
         family = HistogramMetricFamily(
             "pdcluster_kv_transfer_latency_seconds",
             "KV load latency on the consumer (start of load to copied into blocks)",
-            labels=labels,
+            labels=_LABELS,
         )
-        for s in self.snapshot:
+        for s in answered:
             h = s.get("transfer_ms_histogram")
             if not h:
                 continue
             buckets = [(str(ms / 1e3), float(n)) for ms, n in zip(h["buckets_ms"], h["counts"])]
             buckets.append(("+Inf", float(h["count"])))
-            family.add_metric(
-                [str(s.get("id")), str(s.get("role"))], buckets, sum_value=h["sum_ms"] / 1e3
-            )
+            family.add_metric(_labels(s), buckets, sum_value=h["sum_ms"] / 1e3)
         return family
 
 
+def _labels(s: dict[str, Any]) -> list[str]:
+    return [str(s.get("id")), str(s.get("role"))]
+
+
 class GatewayMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram(
-            "pdcluster_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS_S, registry=r
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+
+        def histogram(name: str, help_text: str, buckets: Iterable[float]) -> Histogram:
+            return Histogram(name, help_text, labels, buckets=tuple(buckets), registry=r)
+
+        def counter(name: str, help_text: str) -> Counter:
+            return Counter(name, help_text, labels, registry=r)
+
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS_S
+        ).labels(model_name)
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between two tokens", ITL_BUCKETS_S
+        ).labels(model_name)
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Per request: decode time over the tokens after the first",
+            ITL_BUCKETS_S,
+        ).labels(model_name)
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency (aborted ones included)",
+            REQUEST_BUCKETS_S,
+        ).labels(model_name)  # fmt: skip
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds",
+            "Time the request waited on its first instance before it was scheduled",
+            REQUEST_BUCKETS_S,
+        ).labels(model_name)
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Time to first token less the queue time",
+            REQUEST_BUCKETS_S,
+        ).labels(model_name)
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds",
+            "Time from the first token to the last",
+            REQUEST_BUCKETS_S,
+        ).labels(model_name)
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request", tokens
+        ).labels(model_name)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per finished request", tokens
+        ).labels(model_name)
+        self.prompt_tokens = counter(
+            "vllm:prompt_tokens", "Prompt tokens of requests that got a first token"
+        ).labels(model_name)
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated").labels(
+            model_name
         )
-        self.itl = Histogram(
-            "pdcluster_inter_token_latency_seconds",
-            "Time between streamed tokens",
-            buckets=LATENCY_BUCKETS_S,
+        success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason (abort: the client went away)",
+            ["model_name", "finished_reason"],
             registry=r,
         )
-        self.e2e = Histogram(
-            "pdcluster_e2e_latency_seconds",
-            "Request latency",
-            buckets=LATENCY_BUCKETS_S,
+        self.request_success = {
+            reason: success.labels(model_name, reason) for reason in FINISHED_REASONS
+        }
+        self.http_requests = Counter(
+            "pdcluster_http_requests",
+            "HTTP responses by endpoint (the route; `other` when none matched), method, status",
+            ["endpoint", "method", "status"],
             registry=r,
         )
-        self.requests = Counter(
-            "pdcluster_requests", "Finished requests", ["finish_reason"], registry=r
-        )
-        self.generated_tokens = Counter(
-            "pdcluster_generated_tokens", "Tokens generated", registry=r
-        )
-        self.prompt_tokens = Counter("pdcluster_prompt_tokens", "Prompt tokens", registry=r)
-        self.instances = _InstanceCollector()
+        self.instances = _InstanceCollector(model_name)
         r.register(self.instances)
+
+    def start(self, num_prompt_tokens: int) -> RequestTimer:
+        return RequestTimer(self, num_prompt_tokens)
+
+
+class RequestTimer:
+    """One request's latencies as its outputs reach the gateway; `finish` records them once,
+    whether the request finished or its client went away."""
+
+    def __init__(self, metrics: GatewayMetrics, num_prompt_tokens: int) -> None:
+        self.metrics = metrics
+        self.num_prompt_tokens = num_prompt_tokens
+        self.start_s = self.last_s = time.perf_counter()
+        self.first_s: float | None = None
+        self.queue_time_s: float | None = None
+        self.num_tokens = 0
+
+    def observe(self, out: EngineCoreOutput) -> None:
+        if self.queue_time_s is None and out.queue_time_s is not None:
+            self.queue_time_s = out.queue_time_s  # the first instance's: it holds TTFT
+        if not out.new_token_ids:
+            return
+        now, m = time.perf_counter(), self.metrics
+        if self.first_s is None:
+            self.first_s = now
+            m.ttft.observe(now - self.start_s)
+            m.prompt_tokens.inc(self.num_prompt_tokens)
+        else:
+            m.itl.observe(now - self.last_s)
+        self.last_s = now
+        self.num_tokens += len(out.new_token_ids)
+        m.generation_tokens.inc(len(out.new_token_ids))
+
+    def finish(self, finish_reason: str | None) -> None:
+        """`finish_reason` None: the client went away (or the request was cancelled)."""
+        m = self.metrics
+        m.e2e.observe(time.perf_counter() - self.start_s)
+        m.request_success[finish_reason or "abort"].inc()
+        m.request_prompt_tokens.observe(self.num_prompt_tokens)
+        m.request_generation_tokens.observe(self.num_tokens)
+        if self.first_s is None:
+            return
+        ttft = self.first_s - self.start_s
+        if self.queue_time_s is not None:
+            m.queue.observe(self.queue_time_s)
+            m.prefill.observe(max(0.0, ttft - self.queue_time_s))
+        m.decode.observe(self.last_s - self.first_s)
+        if self.num_tokens > 1:
+            m.tpot.observe((self.last_s - self.first_s) / (self.num_tokens - 1))

@@ -195,6 +195,7 @@ class PoolController:
             instance_id=iid,
             role=role,
             engine=self.config.engine_config(role, self.model),
+            model_name=self.config.served_model_name(self.model),
             kv_lease_s=self.config.connector.kv_lease_s,
             kv_load_timeout_s=self.config.connector.kv_load_timeout_s,
             ec_timeout_s=self.config.connector.ec_timeout_s,

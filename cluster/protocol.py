@@ -12,10 +12,18 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PRESENCE_FREQUENCY_PENALTY,
+    MAX_REPETITION_PENALTY,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_STOP_STRINGS = 8
 MAX_SEED = 2**63 - 1
+MAX_N = 128  # sequences (n, best_of) one prompt may sample
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -78,42 +86,44 @@ class _SamplingFields(_Body):
     ignore_eos: bool = Field(False, description="keep generating past EOS")
     stream: bool = Field(False, description="server-sent events, ending with [DONE]")
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, description="not supported past 1: one completion per prompt")
-    presence_penalty: FiniteFloat = Field(0.0, description="not supported: 0 only")
-    frequency_penalty: FiniteFloat = Field(0.0, description="not supported: 0 only")
-    repetition_penalty: FiniteFloat = Field(1.0, description="vLLM's; not supported: 1 only")
-    logit_bias: dict[str, FiniteFloat] | None = Field(None, description="not supported: empty")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices to return for each prompt")
+    presence_penalty: FiniteFloat = Field(
+        0.0,
+        ge=-MAX_PRESENCE_FREQUENCY_PENALTY,
+        le=MAX_PRESENCE_FREQUENCY_PENALTY,
+        description="subtracted once from the logit of every token generated so far",
+    )
+    frequency_penalty: FiniteFloat = Field(
+        0.0,
+        ge=-MAX_PRESENCE_FREQUENCY_PENALTY,
+        le=MAX_PRESENCE_FREQUENCY_PENALTY,
+        description="subtracted from a token's logit once per time it was generated",
+    )
+    repetition_penalty: FiniteFloat = Field(
+        1.0,
+        ge=1 / MAX_REPETITION_PENALTY,
+        le=MAX_REPETITION_PENALTY,
+        description="vLLM's: on prompt and generated tokens, positive logits divided by it",
+    )
+    logit_bias: dict[str, FiniteFloat] | None = Field(
+        None, description="token id -> bias in [-100, 100], added to its logit"
+    )
     user: str | None = Field(None, max_length=256, description="ignored")
     response_format: ResponseFormat | None = Field(
         None, description="text (default), json_object, or json_schema: constrains the output"
     )
 
-    @field_validator("n")
-    @classmethod
-    def _check_n(cls, n: int) -> int:
-        if n > 1:
-            raise unsupported("n > 1 is not supported")
-        return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _check_penalty(cls, value: float, info: ValidationInfo) -> float:
-        if value != 0:
-            raise unsupported(f"{info.field_name} is not supported (only 0)")
-        return value
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _check_repetition_penalty(cls, value: float) -> float:
-        if value != 1:
-            raise unsupported("repetition_penalty is not supported (only 1)")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias:
-            raise unsupported("logit_bias is not supported")
+        for key, value in (bias or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise invalid(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+            if abs(value) > MAX_LOGIT_BIAS:
+                raise invalid(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {value} for token {key}"
+                )
         return bias
 
     @field_validator("stream_options")
@@ -146,6 +156,10 @@ class _SamplingFields(_Body):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             structured_outputs=self.structured_outputs(),
         )
 
@@ -165,27 +179,29 @@ class CompletionRequest(_SamplingFields):
     )
     max_tokens: int | None = Field(16, ge=1, description="tokens to generate at most")
     logprobs: int | None = Field(
-        None, ge=0, description="0: log-probability of each sampled token; top-N not supported"
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="N: log-probability of each sampled token and of the N likeliest",
     )
-    echo: bool = Field(False, description="not supported: false only")
+    echo: bool = Field(False, description="prepend the prompt to the text (not with logprobs)")
     suffix: str | None = Field(None, description="not supported: empty only")
-    best_of: int | None = Field(None, ge=1, description="not supported past 1")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _check_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs:
-            raise unsupported(
-                "logprobs > 0 (top-N) is not supported; use logprobs=0 for the log-probability "
-                "of each sampled token"
-            )
-        return logprobs
+    best_of: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_N,
+        description="sequences sampled per prompt (default n), of which the n with the highest "
+        "cumulative log-probability are returned; not streamed when above n",
+    )
 
     @field_validator("echo")
     @classmethod
-    def _check_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise unsupported("echo is not supported")
+    def _check_echo(cls, echo: bool, info: ValidationInfo) -> bool:
+        if echo and info.data.get("logprobs") is not None:
+            raise unsupported(
+                "echo with logprobs is not supported (prompt log-probabilities are not "
+                "computed); use echo without logprobs"
+            )
         return echo
 
     @field_validator("suffix")
@@ -197,10 +213,17 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("best_of")
     @classmethod
-    def _check_best_of(cls, best_of: int | None) -> int | None:
-        if best_of is not None and best_of > 1:
-            raise unsupported("best_of > 1 is not supported")
+    def _check_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of < n:
+            raise invalid(f"best_of ({best_of}) must be at least n ({n})")
+        if best_of is not None and best_of > n and info.data.get("stream"):
+            raise unsupported("best_of > n cannot be streamed (stream: false only)")
         return best_of
+
+    def num_seqs(self) -> int:
+        """Sequences sampled per prompt."""
+        return self.best_of or self.n
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -279,7 +302,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias")
     max_completion_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
     logprobs: bool = Field(False, description="return log-probabilities of sampled tokens")
-    top_logprobs: int | None = Field(None, ge=0, description="not supported past 0")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="the N likeliest tokens too (with logprobs)"
+    )
     tools: list[Tool] | None = Field(None, max_length=128, description="functions it may call")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default auto with tools; required or a named one forces a call"
@@ -303,10 +328,14 @@ class ChatCompletionRequest(_SamplingFields):
 
     @field_validator("top_logprobs")
     @classmethod
-    def _check_top_logprobs(cls, top_logprobs: int | None) -> int | None:
-        if top_logprobs:
-            raise unsupported("top_logprobs > 0 is not supported (only 0, with logprobs: true)")
+    def _check_top_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs and not info.data.get("logprobs"):
+            raise invalid("top_logprobs needs logprobs: true")
         return top_logprobs
+
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None, or how many alternatives each token comes with."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -3,7 +3,8 @@
 Each replica binds the same host:port with SO_REUSEPORT, so the kernel spreads incoming
 connections over them, and each attaches to the one instance pool with a client of its own
 (it plans its own requests and reads its tokens straight from the instances). The serving
-process is replica 0; the others are Ray actors placed on its node.
+process is replica 0; the others are Ray actors on one Ray node of its host (they must share
+its network), asking for `gateway.num_cpus` and `gateway.resources` like Serve replicas do.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import ray
 import uvicorn
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, GatewaySettings
 
 
 def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -68,14 +69,42 @@ class GatewayReplica:
         return self.cluster.front.num_started, self.cluster.front.num_in_flight()
 
 
+def replica_node(settings: GatewaySettings, count: int) -> str:
+    """The Ray node for `count` more replicas: one on this process's host (the replicas share
+    its listen address) whose resources hold them all, this process's own node first. A
+    ValueError says what to change when no node on the host does (e.g. `pdcluster serve` run
+    on a KubeRay head while `gateway.resources` names a resource only workers declare)."""
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    host = next(n["NodeManagerAddress"] for n in nodes if n["NodeID"] == here)
+    ask = {"CPU": settings.num_cpus, **settings.resources}
+    fits = [
+        n["NodeID"]
+        for n in sorted(nodes, key=lambda n: n["NodeID"] != here)
+        if n["NodeManagerAddress"] == host
+        and all(n["Resources"].get(name, 0) >= amount * count for name, amount in ask.items())
+    ]
+    if not fits:
+        raise ValueError(
+            f"gateway.replicas: {count} more replicas need {ask} each on a Ray node of this "
+            f"host ({host}), and none has that much; run `pdcluster serve` on a node that "
+            "declares it, or lower gateway.replicas, gateway.num_cpus or gateway.resources"
+        )
+    return fits[0]
+
+
 def start_replicas(
     config: ClusterConfig, pool: str, host: str, port: int, count: int
 ) -> list[ray.actor.ActorHandle]:
-    """`count` more replicas on this node, serving once this returns."""
-    node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    """`count` more replicas on this host, serving once this returns."""
+    if count == 0:
+        return []
+    node = NodeAffinitySchedulingStrategy(replica_node(config.gateway, count), soft=False)
     replicas = [
         ray.remote(GatewayReplica)
-        .options(num_cpus=0, scheduling_strategy=node, max_concurrency=1000)
+        .options(
+            **config.gateway.ray_actor_options(), scheduling_strategy=node, max_concurrency=1000
+        )
         .remote(config.model_dump(), pool, host, port)
         for _ in range(count)
     ]

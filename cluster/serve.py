@@ -15,6 +15,7 @@ from cluster.config import ClusterConfig
 from cluster.gateway import create_app
 from cluster.launch import Cluster, launch
 from cluster.replicas import listen, start_replicas, uvicorn_server
+from engine.kv_budget import GiB
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +74,11 @@ def _log_instances(cluster: Cluster) -> None:
         size = cluster.config.engine_settings(role).block_size
         blocks = stats.get("num_blocks_total", 0)
         logger.info(
-            "instance %s (%s) ready: KV cache %d blocks x %d tokens = %d tokens",
+            "instance %s (%s) ready: KV cache %d blocks x %d tokens = %d tokens, %.3f GiB",
             stats.get("id"),
             role,
             blocks,
             size,
             blocks * size,
+            stats.get("kv_cache_bytes", 0) / GiB,
         )

@@ -4,7 +4,9 @@
 Every replica of the gateway deployment attaches to ONE instance pool (named by `pool`):
 the first replica to start launches it (detached, so it outlives replicas that come and go),
 the others attach; each replica plans its own requests and reads tokens straight from the
-instances. So `num_replicas` > 1 and Serve autoscaling work.
+instances. So `num_replicas` > 1 and Serve autoscaling work. Each replica asks Ray for the
+config's `gateway.num_cpus` and `gateway.resources` (e.g. `{pdcluster_gateway: 1}`, which
+only worker pods declare), so none lands on a KubeRay head started with num-cpus 0.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from cluster.config import ClusterConfig
 
 DEFAULT_CONFIG = "local-1e1p1d"  # a built-in topology (see cluster.config.config_path)
 DEFAULT_POOL = "pdcluster-serve"
+GATEWAY_DEPLOYMENT = "pdcluster-gateway"  # serveConfigV2 `deployments:` entries name it
 BUILD_ARGS = ("config", "model", "pool", "num_replicas", "autoscaling_config")
 
 
@@ -51,8 +54,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     ingress = serve.ingress(build_gateway)()
     deployment = serve.deployment(
         ingress,
-        name="pdcluster-gateway",
-        ray_actor_options={"num_cpus": 0},
+        name=GATEWAY_DEPLOYMENT,
+        ray_actor_options=config.gateway.ray_actor_options(),
         max_ongoing_requests=1024,
         **options,
     )

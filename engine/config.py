@@ -10,14 +10,38 @@ from dataclasses import dataclass, field
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
+DEFAULT_NUM_BLOCKS = 1024
+# The ways to size an instance's KV pool; at most one is set (none: DEFAULT_NUM_BLOCKS).
+KV_SIZING_FIELDS = ("num_blocks", "kv_cache_memory_fraction", "kv_cache_memory_bytes")
+
+
+def kv_sizing_fields_set(settings: object) -> list[str]:
+    """The KV_SIZING_FIELDS that `settings` sets; ValueError when more than one."""
+    sizing = [name for name in KV_SIZING_FIELDS if getattr(settings, name) is not None]
+    if len(sizing) > 1:
+        raise ValueError(f"set only one of {', '.join(KV_SIZING_FIELDS)} (got {sizing})")
+    return sizing
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16  # tokens per KV block
-    num_blocks: int = 1024  # KV blocks in this instance's pool
+    num_blocks: int | None = None  # KV blocks in this instance's pool; None: sized by memory
+    # Share of the device's memory for weights + KV cache; the KV cache gets it minus the
+    # weights (engine/kv_budget.py says which memory).
+    kv_cache_memory_fraction: float | None = None
+    kv_cache_memory_bytes: int | None = None  # the KV cache's own size
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.num_blocks < 1:
+        if not kv_sizing_fields_set(self):
+            object.__setattr__(self, "num_blocks", DEFAULT_NUM_BLOCKS)
+        if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
             raise ValueError("block_size and num_blocks must be >= 1")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be >= 1")
 
 
 @dataclass(frozen=True)

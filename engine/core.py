@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import torch
 
 from connectors.base import ECConnectorBase, KVConnectorBase
 from engine.config import EngineConfig
+from engine.kv_budget import GiB, size_cache
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
 from engine.outputs import EngineCoreOutput, KVConnectorOutput, RunnerOutput, SchedulerOutput
@@ -13,6 +17,8 @@ from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -37,18 +43,23 @@ class EngineCore:
         kv_connector: KVConnectorBase | None = None,
         ec_connector: ECConnectorBase | None = None,
     ) -> None:
-        self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         model, self.model_info = load_model(
             config.model, self.device, self.dtype, config.scheduler.max_model_len
         )
+        cache = size_cache(config.cache, self.model_info, self.dtype, self.device, model)
+        self.config = config = dataclasses.replace(config, cache=cache)
         self.tokenizer = Tokenizer(config.model)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
         self.runner = ModelRunner(
             model, self.model_info, config.cache, self.device, self.dtype, self.grammars
         )
+        logger.info(
+            "KV cache: %d blocks x %d tokens, %.3f GiB on %s",
+            cache.num_blocks, cache.block_size, self.runner.kv_cache.nbytes / GiB, self.device,
+        )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, config.cache, kv_connector, ec_connector)
         self.kv_connector = kv_connector
         self.ec_connector = ec_connector
@@ -98,6 +109,11 @@ class EngineCore:
         vocab = self.model_info.vocab_size
         if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        outside = [t for t in request.sampling_params.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(
+                f"logit_bias: token id {outside[0]} is outside this model's vocabulary [0, {vocab})"
+            )
         if request.mm_features and not self.model_info.is_multimodal:
             raise ValueError("this model does not accept images")
         structured = request.sampling_params.structured_outputs
@@ -134,7 +150,7 @@ class EngineCore:
         return list(self.scheduler.requests)
 
     def stats(self) -> dict[str, int]:
-        stats = self.scheduler.stats()
+        stats = {**self.scheduler.stats(), "kv_cache_bytes": self.runner.kv_cache.nbytes}
         for connector in (self.kv_connector, self.ec_connector):
             stats.update(getattr(connector, "stats", dict)())
         return stats

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core import EngineCore
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, TopLogprobs
 from engine.presets import resolve_model_dir
 from engine.processor import InputProcessor, PromptType
 from engine.request import Request
@@ -24,7 +24,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # of each sampled token, with SamplingParams.logprobs
+    top_logprobs: list[TopLogprobs] | None = None  # per token, with SamplingParams.logprobs > 0
     stop_reason: int | str | None = None
     error: str | None = None  # why, when finish_reason is "error"
 
@@ -119,8 +120,9 @@ class LLM:
 
 def new_request_output(request: Request) -> RequestOutput:
     """An empty result for `request`, filled by `merge_output` as outputs arrive."""
-    logprobs = [] if request.sampling_params.logprobs is not None else None
-    completion = CompletionOutput(0, "", [], None, logprobs)
+    wanted = request.sampling_params.logprobs
+    logprobs = [] if wanted is not None else None
+    completion = CompletionOutput(0, "", [], None, logprobs, [] if wanted else None)
     return RequestOutput(request.request_id, request.prompt_token_ids, [completion])
 
 
@@ -131,6 +133,8 @@ def merge_output(result: RequestOutput, out: EngineCoreOutput) -> bool:
     completion.text += out.new_text
     if completion.logprobs is not None and out.new_logprobs:
         completion.logprobs.extend(out.new_logprobs)
+    if completion.top_logprobs is not None and out.new_top_logprobs:
+        completion.top_logprobs.extend(out.new_top_logprobs)
     result.num_cached_tokens = out.num_cached_tokens
     if out.finished:
         completion.finish_reason = out.finish_reason

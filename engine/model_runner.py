@@ -14,9 +14,10 @@ import torch
 from engine.attention import AttentionMetadata, allocate_kv_cache
 from engine.config import CacheConfig
 from engine.models.loader import ModelInfo
-from engine.outputs import NewRequestData, RunnerOutput, SchedulerOutput
+from engine.outputs import NewRequestData, RunnerOutput, SchedulerOutput, TopLogprobs
+from engine.penalties import LogitBias, LogitsAdjustments, TokenCounts
 from engine.request import MultiModalFeature
-from engine.sampler import make_generator, sample
+from engine.sampler import make_generator, position_seed, sample
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarCompiler, advance
 
@@ -54,11 +55,13 @@ class ModelRunner:
         )
         self.encoder_cache: dict[str, torch.Tensor] = {}  # mm_hash -> [num_embeds, hidden]
         self.requests: dict[str, CachedRequestState] = {}
+        self.token_counts = TokenCounts(info.vocab_size, device)  # requests with penalties
 
     # ---- state updates ---------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.token_counts.remove(req_id)
         for mm_hash in so.free_encoder_mm_hashes:
             self.encoder_cache.pop(mm_hash, None)
         for new in so.scheduled_new_reqs:
@@ -89,6 +92,10 @@ class ModelRunner:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
         )
+        if new.sampling_params.has_penalties:
+            num_prompt = len(new.prompt_token_ids) - new.num_prior_output_tokens
+            prompt, prior = new.prompt_token_ids[:num_prompt], new.prompt_token_ids[num_prompt:]
+            self.token_counts.add(new.req_id, prompt, prior)
 
     def _new_grammar(self, params: SamplingParams) -> llguidance.LLMatcher | None:
         structured = params.structured_outputs
@@ -137,29 +144,46 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[list[float]] = [[] for _ in req_ids]
         grammar_done: set[str] = set()
+        top_logprobs: list[list[TopLogprobs]] = [[] for _ in req_ids]
         if rows:
             logits = self.model.compute_logits(last_hidden[rows])  # [len(rows), vocab]
             picked = [states[i] for i in rows]
-            token_ids, token_logprobs = sample(
+            for s in picked:
+                if s.generator is not None:  # seeded: each position has its own draw
+                    s.generator.manual_seed(position_seed(s.sampling_params.seed, len(s.token_ids)))
+            out = sample(
                 logits,
                 [s.sampling_params for s in picked],
                 [s.generator for s in picked],
+                self._adjustments(picked),
                 self.grammars.bitmask([s.grammar for s in picked]),
             )
-            for i, tok, lp in zip(rows, token_ids, token_logprobs):
+            for i, tok, lp, top in zip(rows, out.token_ids, out.logprobs, out.top_logprobs):
                 states[i].token_ids.append(tok)
                 sampled[i] = [tok]
                 logprobs[i] = [lp]
+                top_logprobs[i] = [top] if top is not None else []
                 grammar = states[i].grammar
                 if grammar is not None and advance(grammar, tok):
                     grammar_done.add(req_ids[i])
+            self.token_counts.append([s.req_id for s in picked], out.token_ids)
         return RunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             logprobs=logprobs,
             grammar_done_req_ids=grammar_done,
+            top_logprobs=top_logprobs,
         )
+
+    def _adjustments(self, picked: list[CachedRequestState]) -> LogitsAdjustments | None:
+        """Logit bias and penalties of the sampling rows; None when no row has any."""
+        params = [s.sampling_params for s in picked]
+        bias = LogitBias.build(params, self.device)
+        penalties = self.token_counts.penalties([s.req_id for s in picked], params)
+        if bias is None and penalties is None:
+            return None
+        return LogitsAdjustments(bias, penalties)
 
     # ---- multimodal ------------------------------------------------------------------
     def _run_encoders(self, scheduled: dict[str, list[int]]) -> None:

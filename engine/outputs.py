@@ -9,6 +9,15 @@ from engine.request import MultiModalFeature
 from engine.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The likeliest tokens at one output position, best first, with their log-probabilities
+    (of the model's raw distribution, like every logprob here)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
 @dataclass
 class NewRequestData:
     """A request the runner has not seen (or sees again after its state was dropped)."""
@@ -19,6 +28,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    num_prior_output_tokens: int = 0  # see Request.num_prior_output_tokens
 
 
 @dataclass
@@ -66,6 +76,8 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] | None = None  # index-aligned with sampled_token_ids
     grammar_done_req_ids: set[str] = field(default_factory=set)  # grammar complete: stop
+    # Index-aligned too; a request that asked for no alternatives has an empty list.
+    top_logprobs: list[list[TopLogprobs]] | None = None
     kv_connector_output: KVConnectorOutput | None = None
 
 
@@ -76,12 +88,19 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[float] | None = None
+    new_top_logprobs: list[TopLogprobs] | None = None  # with logprobs > 0: one per new token
     new_text: str = ""
     finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
     stop_reason: int | str | None = None
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
+    # Seconds the request waited on this instance before it was first scheduled; set on
+    # the first output with tokens from each instance that queued it.
+    queue_time_s: float | None = None
+    # With finish_reason "error": the cluster could not serve the request (an instance was
+    # lost, or none was live); the same request may succeed later.
+    unavailable: bool = False
 
     @property
     def finished(self) -> bool:

@@ -91,6 +91,7 @@ class Request:
         mm_features: list[MultiModalFeature] | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         arrival_time: float | None = None,
+        num_prior_output_tokens: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -101,6 +102,9 @@ class Request:
         self.mm_features = sorted(mm_features or [], key=lambda f: f.offset)
         self.kv_transfer_params = kv_transfer_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # The last this-many prompt tokens were generated before this instance took the
+        # request over (a D continues after P's first token): penalties count them as output.
+        self.num_prior_output_tokens = num_prior_output_tokens
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -108,6 +112,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule; -1: not yet
         self.num_preemptions = 0
+        self.queued_time = 0.0  # this instance's clock when its scheduler took the request in
+        self.queue_time_s: float | None = None  # waited before first scheduled; not reported yet
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # set with FINISHED_ERROR
         self.block_hashes: list[int] = []  # hash chain of full blocks, kept by the KV manager

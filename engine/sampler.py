@@ -2,36 +2,66 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from engine.outputs import TopLogprobs
+from engine.penalties import LogitsAdjustments, adjust_logits
 from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[float]  # of each sampled token
+    top_logprobs: list[TopLogprobs | None]  # per row: its `logprobs` likeliest, if it asked
 
 
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    adjustments: LogitsAdjustments | None = None,
     grammar_bitmask: torch.Tensor | None = None,
-) -> tuple[list[int], list[float]]:
-    """Pick one token per row and return (token_ids, logprobs of those tokens).
+) -> SamplerOutput:
+    """Pick one token per row.
 
-    logits: [num_reqs, vocab] float32. Log-probabilities are those of the model's own
-    distribution (before temperature / top-k / top-p), as in vLLM; under a grammar, of that
-    distribution restricted to the tokens the grammar allows.
+    logits: [num_reqs, vocab] float32, changed in place by `adjustments` (logit bias,
+    penalties). Log-probabilities, of the sampled token and of the top-N, are those of the
+    model's raw distribution: before logit bias, penalties, temperature, top-k and top-p
+    (vLLM's default); under a grammar, of that distribution restricted to the tokens the
+    grammar allows.
     grammar_bitmask: [num_reqs, ceil(vocab / 32)] int32, bit t of a row set where token t is
     allowed (see `engine.structured_output`), or None when no row has a grammar.
     """
     if grammar_bitmask is not None:
         logits = apply_grammar_masks(logits, grammar_bitmask)
     logprobs = torch.log_softmax(logits, dim=-1)  # [num_reqs, vocab]
+    if adjustments is not None:
+        adjust_logits(logits, adjustments)
     token_ids = logits.argmax(dim=-1)  # [num_reqs]
     for row, p in enumerate(params):
         if not p.greedy:
             probs = _filtered_probs(logits[row], p)  # [vocab]
             token_ids[row] = torch.multinomial(probs, 1, generator=generators[row])[0]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    return token_ids.tolist(), chosen.tolist()
+    return SamplerOutput(token_ids.tolist(), chosen.tolist(), _top_logprobs(logprobs, params))
+
+
+def _top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[TopLogprobs | None]:
+    """Each row's `logprobs` likeliest tokens, from one top-k over the batch."""
+    wanted = [p.logprobs or 0 for p in params]
+    k = min(max(wanted), logprobs.shape[-1])
+    if k == 0:
+        return [None] * len(params)
+    values, indices = logprobs.topk(k, dim=-1)  # [num_reqs, k]
+    values_list, indices_list = values.tolist(), indices.tolist()
+    return [
+        TopLogprobs(tuple(ids[:n]), tuple(vals[:n])) if n else None
+        for n, ids, vals in zip(wanted, indices_list, values_list)
+    ]
 
 
 def apply_grammar_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -63,9 +93,17 @@ def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    """A per-request generator for a seeded request; None uses torch's global RNG."""
-    if seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+    """A per-request generator for a seeded request, seeded before each draw (see
+    `position_seed`); None uses torch's global RNG."""
+    return None if seed is None else torch.Generator(device=device)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the draw for the token at `position` of a seeded request's sequence. A
+    function of the position alone, so the draws do not depend on where earlier tokens were
+    sampled: a D continuing after P's first token samples what a colocated instance would."""
+    mask = (1 << 64) - 1
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & mask  # splitmix64's finalizer below
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)

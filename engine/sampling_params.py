@@ -5,6 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # most alternatives `logprobs` may ask for per token
+MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI
+MAX_PRESENCE_FREQUENCY_PENALTY = 2.0  # |penalty| at most, as OpenAI
+# Kept within [1/MAX, MAX] so that penalized logits stay finite through temperature.
+MAX_REPETITION_PENALTY = 100.0
+
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
@@ -44,7 +50,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # log-probability of the sampled token when not None
+    # Not None: the sampled token's log-probability and those of the `logprobs` likeliest.
+    logprobs: int | None = None
+    # Penalties on tokens already seen: presence/frequency count output tokens only (OpenAI),
+    # repetition counts prompt and output (vLLM's: positive logits divided, negative multiplied).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrain to a grammar
 
@@ -53,7 +66,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = dict(self.logit_bias or {})
         self._check()
+        self._check_penalties()
 
     def _check(self) -> None:
         if not _finite(self.temperature) or self.temperature < 0:
@@ -72,12 +87,48 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+
+    def _check_penalties(self) -> None:
+        limit = MAX_PRESENCE_FREQUENCY_PENALTY
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not -limit <= value <= limit:
+                raise ValueError(f"{name} must be in [-{limit}, {limit}], got {value}")
+        high = MAX_REPETITION_PENALTY
+        if not _finite(self.repetition_penalty) or not 1 / high <= self.repetition_penalty <= high:
+            raise ValueError(
+                f"repetition_penalty must be in [{1 / high:g}, {high:g}], "
+                f"got {self.repetition_penalty}"
+            )
+        for token_id, bias in self.logit_bias.items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise ValueError(
+                    f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}"
+                )
+            if not _finite(bias) or abs(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias} for token {token_id}"
+                )
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs this request's token counts."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     @property
     def greedy(self) -> bool:

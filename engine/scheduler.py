@@ -27,6 +27,7 @@ whole block table; a finished one is named once in `finished_req_ids`.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -34,7 +35,13 @@ from connectors.base import ECConnectorBase, KVConnectorBase
 from engine.config import CacheConfig, SchedulerConfig
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import EngineCoreOutput, NewRequestData, RunnerOutput, SchedulerOutput
+from engine.outputs import (
+    EngineCoreOutput,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+    TopLogprobs,
+)
 from engine.request import Request, RequestStatus
 from engine.scheduler_step import (
     StepState,
@@ -78,7 +85,11 @@ class Scheduler:
         self._publish_after_step: list[str] = []  # admitted with a synchronous remote load
         # KV producer: finished, blocks held until `finished_sending`.
         self._pending_sends: set[str] = set()
-        self.num_preemptions = 0  # since start, across all requests
+        # Since start, across all requests: preemptions, prompt tokens of requests that
+        # produced their first token here, tokens generated.
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
 
     # ---- intake and queries -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -90,6 +101,7 @@ class Scheduler:
                 f"more than max_model_len={self.max_model_len}"
             )
         self._check_mm_fits(request)
+        request.queued_time = time.monotonic()
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -135,6 +147,10 @@ class Scheduler:
             )
             + len(self._aborted_recving),
             "num_preemptions": self.num_preemptions,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "prefix_cache_queries": kv.num_prefix_queries,
+            "prefix_cache_hits": kv.num_prefix_hits,
             "num_encoder_cache_refs": self.encoder_cache_manager.num_referenced_entries(),
             **self._load(),
         }
@@ -380,8 +396,9 @@ class Scheduler:
         else:
             kv.cache_blocks(request, start + num_new)
         request.num_computed_tokens = start
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens < 0:  # first scheduled
             request.num_cached_tokens = start
+            request.queue_time_s = time.monotonic() - request.queued_time
         self._record_admitted(request, st)
         st.record(request, num_new)
         return _SCHEDULED
@@ -403,6 +420,7 @@ class Scheduler:
                     request.sampling_params,
                     block_ids,
                     request.num_computed_tokens,
+                    request.num_prior_output_tokens,
                 )
             )
         request.status = RequestStatus.RUNNING
@@ -437,6 +455,7 @@ class Scheduler:
         index_of = runner_output.req_id_to_index
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs
+        top_logprobs = runner_output.top_logprobs
         requests = self.requests
         running_status = RequestStatus.RUNNING
         num_stopped = 0
@@ -455,6 +474,7 @@ class Scheduler:
                 request,
                 sampled[i],
                 logprobs[i] if logprobs else None,
+                top_logprobs[i] if top_logprobs else None,
                 rid in runner_output.grammar_done_req_ids,
             )
             if output.finish_reason is not None:
@@ -481,9 +501,12 @@ class Scheduler:
         request: Request,
         token_ids: list[int],
         logprobs: list[float] | None,
+        top_logprobs: list[TopLogprobs] | None,
         grammar_done: bool,
     ) -> EngineCoreOutput:
         """`grammar_done`: the request's grammar is complete after the last of `token_ids`."""
+        if not request.output_token_ids:
+            self.num_prompt_tokens += request.num_prompt_tokens
         new_token_ids = token_ids
         status = None
         for j, token_id in enumerate(token_ids):
@@ -499,8 +522,12 @@ class Scheduler:
             request.request_id,
             new_token_ids,
             logprobs[: len(new_token_ids)] if logprobs else None,
+            top_logprobs[: len(new_token_ids)] if top_logprobs else None,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            queue_time_s=request.queue_time_s,
         )
+        request.queue_time_s = None
+        self.num_generation_tokens += len(new_token_ids)
         if status is not None:
             request.status = status
             output.finish_reason = request.get_finished_reason()

@@ -40,7 +40,8 @@ def for_decode(request: Request, first_token: int, kv_transfer_params: dict[str,
         min_tokens=max(0, p.min_tokens - 1),
         structured_outputs=structured,
     )
-    return _copy(request, [*request.prompt_token_ids, first_token], params, kv_transfer_params)
+    prompt = [*request.prompt_token_ids, first_token]
+    return _copy(request, prompt, params, kv_transfer_params, request.num_prior_output_tokens + 1)
 
 
 def _copy(
@@ -48,6 +49,7 @@ def _copy(
     prompt: list[int],
     params: SamplingParams,
     kv_transfer_params: dict[str, Any],
+    num_prior_output_tokens: int = 0,
 ) -> Request:
     return Request(
         request.request_id,
@@ -57,4 +59,5 @@ def _copy(
         mm_features=request.mm_features,
         kv_transfer_params=kv_transfer_params,
         arrival_time=request.arrival_time,
+        num_prior_output_tokens=num_prior_output_tokens,
     )

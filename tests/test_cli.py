@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -137,10 +138,14 @@ def test_facade_package_exports_the_public_api():
 @pytest.mark.skipif(sys.platform != "linux", reason="finds Ray's processes in /proc")
 def test_sigterm_stops_serve_and_its_embedded_ray(tmp_path):
     """What systemd and Kubernetes send: the gateway, the instances and the embedded Ray
-    (raylet, GCS) all go, and the process exits 0."""
+    (raylet, GCS) all go, and the process exits 0. (Its KV pool is sized from memory, and
+    startup says how big it came out.)"""
     port = free_port()
     env = serve_env(tmp_path, RAY_AUTH_MODE="disabled")
-    command = serve_command("--model", "preset:tiny-llama", "--mixed", "1", "--port", str(port))
+    command = serve_command(
+        "--model", "preset:tiny-llama", "--mixed", "1", "--port", str(port),
+        "--kv-cache-memory-fraction", "0.001",
+    )  # fmt: skip
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     try:
         wait_until_serving(process, port)
@@ -154,6 +159,8 @@ def test_sigterm_stops_serve_and_its_embedded_ray(tmp_path):
             process.kill()
     assert code == 0, log
     assert "serving 'tiny-llama' on http://127.0.0.1" in log and "stopped" in log
+    ready = re.search(r"ready: KV cache (\d+) blocks x 16 tokens = \d+ tokens, ([\d.]+) GiB", log)
+    assert ready and int(ready[1]) > 0 and 0 < float(ready[2]) < 0.001 * 1024, log
     wait_for(lambda: not any(_alive(pid) for pid, _ in children), "Ray processes left running")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,3 +64,32 @@ def test_topology_matches_colocated_and_transformers(ray_session, model_dir, ref
         assert sum(s.get("num_loads", 0) for s in stats if s["role"] == "decode") > 0
     if "encoder" in roles:  # and encoder outputs E -> P, with no encoder run on P
         assert sum(s.get("ec_loaded", 0) for s in stats if s["role"] == "prefill") > 0
+
+
+def test_penalties_bias_and_top_logprobs_match_colocated(ray_session, model_dir):
+    """P samples the first token under the penalties and bias, D the rest, counting P's token
+    as generated: token for token what one colocated engine produces, alternatives included."""
+    llm = LLM(model_dir, **SMALL_ENGINE)
+    prompts = mixed_prompts(with_images=False)
+    firsts = [o.token_ids[0] for o in llm.generate(prompts, GREEDY)]
+    # Favour each prompt's own first token: unpenalized it repeats; penalized, P's copy of it
+    # must count on D for D to pick what the colocated engine picks.
+    biased = [dataclasses.replace(GREEDY, logit_bias={t: 6.0}, logprobs=3) for t in firsts]
+    penalized = [
+        dataclasses.replace(p, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2)
+        for p in biased
+    ]
+    params = biased + penalized
+    expected = llm.generate(prompts * 2, params)
+    repeats = [o.token_ids.count(t) for o, t in zip(expected, firsts * 2)]
+    assert sum(repeats[len(prompts) :]) < sum(repeats[: len(prompts)])  # penalties bite
+    with start(model_dir, prefill=1, decode=1) as cluster:
+        baseline = live_object_ids()
+        outputs = cluster.generate(prompts * 2, params)
+        assert_clean(cluster, baseline)
+    for got, want in zip(outputs, expected):
+        assert got.token_ids == want.token_ids
+        got_top, want_top = got.outputs[0].top_logprobs, want.outputs[0].top_logprobs
+        assert [t.token_ids for t in got_top] == [t.token_ids for t in want_top]
+        for g, w in zip(got_top, want_top):
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)

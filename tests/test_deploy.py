@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from cluster.config import ClusterConfig
+from cluster.metrics import GatewayMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 CRD_DIR = REPO.parent / "shared" / "kuberay-crds"
@@ -48,32 +49,45 @@ ROLE_RESOURCE = {
     "decode": "pdcluster_decode",
 }
 GPU_ROLES = ("prefill", "decode")
+GATEWAY_RESOURCE = "pdcluster_gateway"  # each gateway replica's ask: never on the head
 
 HISTOGRAMS = {
-    "pdcluster_ttft_seconds",
-    "pdcluster_inter_token_latency_seconds",
-    "pdcluster_e2e_latency_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
     "pdcluster_kv_transfer_latency_seconds",
 }
 COUNTERS = {
-    "pdcluster_requests_total",
-    "pdcluster_generated_tokens_total",
-    "pdcluster_prompt_tokens_total",
+    "vllm:request_success_total",  # {model_name, finished_reason}
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "pdcluster_http_requests_total",  # {endpoint, method, status}
     "pdcluster_kv_transfer_bytes_total",
     "pdcluster_ec_transfer_bytes_total",
     "pdcluster_kv_leases_expired_total",
     "pdcluster_planner_decisions_total",  # {role, direction}: instances added or drained
 }
 GAUGES = {
-    "pdcluster_kv_usage_ratio",
-    "pdcluster_num_running",
-    "pdcluster_num_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "pdcluster_instance_healthy",
     "pdcluster_num_deferred",
     "pdcluster_num_pending_transfers",
     "pdcluster_instances",  # {role}: live instances
     "pdcluster_instances_desired",  # {role}: the planner's target (live count without one)
 }
 GATEWAY_METRICS = HISTOGRAMS | COUNTERS | GAUGES
+METRIC_NAME = re.compile(r"\b(?:pdcluster_\w+|vllm:\w+)")
 
 
 # ---- helpers -----------------------------------------------------------------------------
@@ -263,6 +277,32 @@ def test_worker_groups_pin_the_config_roles(doc: dict, config: ClusterConfig) ->
             assert requests["nvidia.com/gpu"] == limits["nvidia.com/gpu"]
 
 
+def gateway_slots(doc: dict) -> dict[str, float]:
+    """Gateway replicas each worker group's pods hold, by group (groups that hold any)."""
+    slots = {}
+    for group in cluster_spec(doc)["workerGroupSpecs"]:
+        declared = parse_ray_resources(group["rayStartParams"].get("resources", '"{}"'))
+        if declared.get(GATEWAY_RESOURCE):
+            slots[group["groupName"]] = declared[GATEWAY_RESOURCE]
+    return slots
+
+
+def test_gateway_replicas_go_to_worker_pods_with_spare_cpus(
+    doc: dict, config: ClusterConfig
+) -> None:
+    # Serve's replicas and `gateway.replicas` ask for it; the head declares no resources.
+    assert config.gateway.resources == {GATEWAY_RESOURCE: 1.0}
+    slots = gateway_slots(doc)
+    groups = {g["groupName"]: g for g in cluster_spec(doc)["workerGroupSpecs"]}
+    assert sorted(slots) == sorted(GPU_ROLES), slots
+    for role, num_slots in slots.items():
+        group = groups[role]
+        (container,) = containers(group)
+        taken = config.role(role).num_cpus * instances_per_pod(group, role, config)
+        spare = quantity(container["resources"]["limits"]["cpu"]) - taken
+        assert spare >= num_slots, f"{role}: {num_slots} gateway replicas, {spare} spare CPUs"
+
+
 def test_worker_groups_autoscale(doc: dict, config: ClusterConfig) -> None:
     spec = cluster_spec(doc)
     assert spec["enableInTreeAutoscaling"] is True
@@ -316,14 +356,38 @@ def test_dockerfile_installs_the_project_where_manifests_expect_it() -> None:
 
 # ---- entrypoints -------------------------------------------------------------------------
 def test_rayservice_serves_the_app_builder() -> None:
-    serve_config = yaml.safe_load(manifest("rayservice.yaml")["spec"]["serveConfigV2"])
+    doc = manifest("rayservice.yaml")
+    serve_config = yaml.safe_load(doc["spec"]["serveConfigV2"])
     (app,) = serve_config["applications"]
+    # The pods that never scale away hold the gateway's replicas (Serve's default: one).
+    always_up = sum(
+        n * g["minReplicas"]
+        for name, n in gateway_slots(doc).items()
+        for g in cluster_spec(doc)["workerGroupSpecs"]
+        if g["groupName"] == name
+    )
+    assert always_up >= app["args"].get("num_replicas", 1)
     assert app["import_path"] == SERVE_IMPORT_PATH
     assert ClusterConfig.from_yaml(repo_path(app["args"]["config"])).topology_name() == "1E1P1D"
     module, attr = SERVE_IMPORT_PATH.split(":")
     path = module_file(module)
     assert path.is_file(), f"{SERVE_IMPORT_PATH}: {path.relative_to(REPO)} does not exist"
     assert defines_function(path, attr), f"{path.relative_to(REPO)} defines no {attr}()"
+
+
+def test_rayservice_serve_config_matches_serves_schema() -> None:
+    pytest.importorskip("ray.serve.schema")
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.serve_app import GATEWAY_DEPLOYMENT
+
+    serve_config = yaml.safe_load(manifest("rayservice.yaml")["spec"]["serveConfigV2"])
+    (app,) = ServeDeploySchema.model_validate(serve_config).applications
+    (gateway,) = app.deployments
+    assert gateway.name == GATEWAY_DEPLOYMENT  # Serve refuses options for a missing name
+    # An in-place redeploy drains open streams as long as an upgrade to a new cluster does.
+    spec = manifest("rayservice.yaml")["spec"]
+    assert gateway.graceful_shutdown_timeout_s == spec["rayClusterDeletionDelaySeconds"]
 
 
 def test_rayjob_runs_the_batch_entrypoint() -> None:
@@ -349,6 +413,16 @@ def test_cluster_launcher_node_types_pin_the_roles(config: ClusterConfig) -> Non
         assert node_types[role].get("max_workers", 0) * per_node >= spec.count
         assert resources.get("GPU", 0) >= spec.num_gpus * per_node
         assert resources.get("CPU", 0) >= spec.num_cpus * per_node
+
+
+def test_cluster_launcher_holds_gateway_replicas_like_the_manifests() -> None:
+    node_types = load_yaml(LAUNCHER)["available_node_types"]
+    slots = {
+        name: t["resources"][GATEWAY_RESOURCE]
+        for name, t in node_types.items()
+        if GATEWAY_RESOURCE in t.get("resources", {})
+    }
+    assert slots == gateway_slots(manifest("raycluster.yaml"))
 
 
 def test_cluster_launcher_autoscales_like_the_manifests() -> None:
@@ -402,14 +476,29 @@ def test_grafana_dashboard_queries_only_gateway_metrics() -> None:
     dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
     exprs = dashboard_exprs(dashboard)
     assert exprs, "the dashboard has no queries"
-    used = {series_metric(m) for e in exprs for m in re.findall(r"\bpdcluster_\w+", e)}
+    used = {series_metric(m) for e in exprs for m in re.findall(METRIC_NAME, e)}
     assert used <= GATEWAY_METRICS, f"unknown metrics: {sorted(used - GATEWAY_METRICS)}"
     assert used == GATEWAY_METRICS, f"metrics without a panel: {sorted(GATEWAY_METRICS - used)}"
-    for metric in ("pdcluster_ttft_seconds", "pdcluster_inter_token_latency_seconds"):
+    for metric in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"):
         for q in ("0.5", "0.9", "0.99"):
             assert any(f"histogram_quantile({q}," in e and f"{metric}_bucket" in e for e in exprs)
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_gateway_exports_every_dashboard_metric() -> None:
+    """What the gateway's registry exposes, with one instance in its snapshot, is what the
+    dashboard queries (under the exposition's names: counters end in _total)."""
+    metrics = GatewayMetrics("m", max_model_len=64)
+    stats = {"id": "i0", "role": "decode", "healthy": True, "num_blocks_total": 8}
+    stats["transfer_ms_histogram"] = {"buckets_ms": [1.0], "counts": [0], "count": 0, "sum_ms": 0}
+    metrics.instances.snapshot = [stats]
+    metrics.http_requests.labels("/v1/completions", "POST", "200").inc()
+    exported = set()
+    for family in metrics.registry.collect():
+        suffix = "_total" if family.type == "counter" else ""
+        exported.add(family.name + suffix)
+    assert exported >= GATEWAY_METRICS, sorted(GATEWAY_METRICS - exported)
 
 
 def test_grafana_dashboard_shows_instances_against_the_planner() -> None:

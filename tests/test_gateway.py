@@ -149,7 +149,7 @@ def test_chat_streaming_with_image(client, model_dir, reference, cluster):
         ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
         ({"model": MODEL, "prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
-        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
         ({"prompt": "x"}, 400, "model"),
     ],
@@ -164,16 +164,11 @@ def test_completion_errors_are_openai_shaped_4xx(base_url, body, status, needle)
 @pytest.mark.parametrize(
     ("path", "fields", "message"),
     [
-        ("completions", {"n": 2}, "n > 1 is not supported"),
-        ("completions", {"best_of": 3}, "best_of > 1 is not supported"),
-        ("completions", {"presence_penalty": 0.5}, "presence_penalty is not supported (only 0)"),
-        ("chat", {"frequency_penalty": -1}, "frequency_penalty is not supported (only 0)"),
-        ("chat", {"repetition_penalty": 1.2}, "repetition_penalty is not supported (only 1)"),
-        ("completions", {"logit_bias": {"5": 10}}, "logit_bias is not supported"),
-        ("completions", {"echo": True}, "echo is not supported"),
+        ("completions", {"n": 2, "best_of": 1}, "best_of (1) must be at least n (2)"),
+        ("completions", {"stream": True, "best_of": 3}, "best_of > n cannot be streamed"),
         ("completions", {"suffix": "end"}, "suffix is not supported"),
-        ("completions", {"logprobs": 2}, "logprobs > 0 (top-N) is not supported; use logprobs=0"),
-        ("chat", {"logprobs": True, "top_logprobs": 3}, "top_logprobs > 0 is not supported"),
+        ("completions", {"logprobs": 1, "echo": True}, "echo with logprobs is not supported"),
+        ("chat", {"top_logprobs": 3}, "top_logprobs needs logprobs: true"),
         ("chat", {"stream_options": {"include_usage": True}}, "stream_options is only allowed"),
     ],
 )
@@ -185,6 +180,114 @@ def test_unsupported_parameters_are_named(base_url, path, fields, message):
     error = response.json()["error"]
     assert error["message"].startswith(message) and error["param"] == next(reversed(fields))
     assert error["code"] in ("unsupported_value", "invalid_value")
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("completions", "presence_penalty", 2.5),
+        ("chat", "frequency_penalty", -3),
+        ("chat", "repetition_penalty", 0),
+        ("chat", "repetition_penalty", 1e-300),  # positive logits would overflow
+        ("completions", "logit_bias", {"abc": 1}),
+        ("completions", "logit_bias", {"-1": 1}),
+        ("chat", "logit_bias", {"5": 101}),
+        ("completions", "logit_bias", {"10000000": 1}),  # outside the vocabulary
+        ("completions", "logprobs", 21),
+        ("chat", "top_logprobs", 21),
+    ],
+)
+def test_bad_sampling_values_are_a_400_naming_the_field(base_url, path, field, value):
+    body = {"model": MODEL, "max_tokens": 1, field: value}
+    body.update({"prompt": "x"} if path == "completions" else {**CHAT_BODY, "logprobs": True})
+    response = httpx.post(f"{base_url}/v1/{path.replace('chat', 'chat/completions')}", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == field and field in error["message"]
+
+
+def test_penalties_and_logit_bias_match_the_offline_engine(client, model_dir):
+    """Through the disaggregated cluster, greedy with penalties and bias is what one
+    colocated engine produces; the penalties change the output."""
+    llm = LLM(model_dir, **SMALL_ENGINE)
+    prompt = "Tell me a story"
+    first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]
+    fields = {"presence_penalty": 0.5, "frequency_penalty": 1.5, "logit_bias": {str(first): 6}}
+    extra = {"repetition_penalty": 1.2, **NO_EOS}
+    out = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra, **fields
+    )
+    params = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=0.5,
+        frequency_penalty=1.5, repetition_penalty=1.2, logit_bias={first: 6.0},
+    )  # fmt: skip
+    expected = llm.generate(prompt, params)[0].text
+    assert out.choices[0].text == expected
+    unpenalized = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert expected != llm.generate(prompt, unpenalized)[0].text
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=6, temperature=0, logit_bias={str(first): 100},
+        extra_body=NO_EOS, **CHAT_BODY,
+    )  # fmt: skip
+    assert chat.choices[0].message.content == llm.tokenizer.decode([first] * 6)
+
+
+def test_top_logprobs_on_both_endpoints(client):
+    out = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=5, logprobs=3, temperature=0,
+        extra_body=NO_EOS,
+    )  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == 5
+    for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and top[token] == token_lp  # greedy: the likeliest
+        assert token_lp == max(top.values())
+    stream = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=5, logprobs=3, temperature=0,
+        stream=True, extra_body=NO_EOS,
+    )  # fmt: skip
+    streamed = [
+        t for c in stream if c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs
+    ]
+    assert streamed == lp.top_logprobs
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=4, logprobs=True, top_logprobs=2, temperature=0,
+        extra_body=NO_EOS, **CHAT_BODY,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+        assert entry.bytes == list(entry.token.encode())
+    stream = client.chat.completions.create(
+        model=MODEL, max_tokens=4, logprobs=True, top_logprobs=2, temperature=0, stream=True,
+        extra_body=NO_EOS, **CHAT_BODY,
+    )  # fmt: skip
+    streamed = [e for c in stream if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [
+        [t.token for t in e.top_logprobs] for e in content
+    ]
+
+
+def test_echo_prepends_the_prompt(client, reference, cluster):
+    out = client.completions.create(
+        model=MODEL, prompt=["Echo this", "and this"], max_tokens=4, temperature=0, echo=True,
+        extra_body=NO_EOS,
+    )  # fmt: skip
+    texts = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+    assert texts == [p + reference(p, 4) for p in ("Echo this", "and this")]
+    stream = client.completions.create(
+        model=MODEL, prompt="Echo this", max_tokens=4, temperature=0, echo=True, stream=True,
+        extra_body=NO_EOS,
+    )  # fmt: skip
+    chunks = [c.choices[0].text for c in stream if c.choices]
+    assert chunks[0] == "Echo this" and "".join(chunks) == texts[0]
+    ids = client.completions.create(model=MODEL, prompt=[9, 10, 11], max_tokens=1, echo=True)
+    echoed = cluster.tokenizer.decode([9, 10, 11], skip_special_tokens=False)
+    assert ids.choices[0].text.startswith(echoed) and len(ids.choices[0].text) > len(echoed)
 
 
 def test_supported_values_of_unsupported_parameters_are_accepted(client):
@@ -295,10 +398,10 @@ def test_cluster_health_and_metrics(base_url, client):
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
     text = httpx.get(f"{base_url}/metrics").text
     for name in (
-        "pdcluster_ttft_seconds_bucket",
-        "pdcluster_inter_token_latency_seconds_bucket",
-        'pdcluster_requests_total{finish_reason="length"}',
-        "pdcluster_kv_usage_ratio{",
+        f'vllm:time_to_first_token_seconds_bucket{{le="0.001",model_name="{MODEL}"}}',
+        "vllm:inter_token_latency_seconds_bucket{",
+        f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}',
+        "vllm:kv_cache_usage_perc{",
         "pdcluster_num_deferred{",
         "pdcluster_kv_transfer_bytes_total{",
         "pdcluster_kv_leases_expired_total{",

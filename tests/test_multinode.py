@@ -1,9 +1,12 @@
-"""1E1P1D on a multi-node Ray cluster (one raylet per role, on this machine): encoder outputs
-and KV blocks cross raylets through Ray's object manager, and the outputs stay
-token-identical to colocated serving.
+"""Multi-node Ray clusters on this machine (one raylet per node).
 
-The cluster is built in a subprocess (tests/multinode_check.py): this test session already
-runs a Ray driver of its own, and a process connects to one cluster at a time.
+1E1P1D with one raylet per role: encoder outputs and KV blocks cross raylets through Ray's
+object manager, and the outputs stay token-identical to colocated serving. And gateway
+replicas (Serve's and `gateway.replicas`') stay off a head with no CPUs.
+
+Each cluster is built in a subprocess (tests/multinode_check.py,
+tests/gateway_placement_check.py): this test session already runs a Ray driver of its own,
+and a process connects to one cluster at a time.
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300  # four raylets and three model loads on two cores
 
 
-def test_epd_across_nodes_matches_colocated(preset_dir):
-    command = [sys.executable, "-m", "tests.multinode_check", "--model", preset_dir("tiny-llava")]
+def run_check(module: str, model_dir: str) -> dict:
+    command = [sys.executable, "-m", module, "--model", model_dir]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_epd_across_nodes_matches_colocated(preset_dir):
+    result = run_check("tests.multinode_check", preset_dir("tiny-llava"))
 
     assert result["num_nodes"] == 4  # the head and one node per role
     nodes = {role: stats["node_id"] for role, stats in result["instances"].items()}
@@ -35,3 +42,21 @@ def test_epd_across_nodes_matches_colocated(preset_dir):
     assert result["instances"]["prefill"]["ec_loaded"] > 0
     assert result["instances"]["decode"]["num_loads"] > 0
     assert result["instances"]["decode"]["bytes_received"] > 0
+
+
+def test_gateway_replicas_stay_off_a_head_without_cpus(preset_dir):
+    result = run_check("tests.gateway_placement_check", preset_dir("tiny-llava"))
+    head, worker = result["head"], result["worker"]
+    assert head != worker
+
+    # Serve replicas and `gateway.replicas` actors ask for pdcluster_gateway: the worker.
+    assert result["serve_replica_nodes"] == [worker, worker]
+    assert result["gateway_replica_nodes"] == [worker, worker]
+    assert result["serve_completion_tokens"] == result["replicas_completion_tokens"] == 3
+    assert result["replicas_models_ok"]
+    # Without the resource they would go to the driver's own node (here the head).
+    assert result["plain_replica_node"] == result["driver"]
+    # More replicas than the worker declares is one clear error, not replicas that wait.
+    assert "5 more replicas need" in result["too_many_error"]
+    assert "'pdcluster_gateway': 1.0" in result["too_many_error"]
+    assert result["pool_shut_down"]
