@@ -40,11 +40,13 @@ from cluster.protocol import (
     TokenizeRequest,
 )
 from cluster.sse import DONE, ChunkEncoder, EventStreamResponse
+from cluster.tools import ToolCallParser, forced_call_schema
 from engine.multimodal import decode_data_url, load_image
 from engine.outputs import EngineCoreOutput, TopLogprobs
 from engine.request import Request as EngineRequest
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer, chat_template_takes_content_parts
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.structured_output import GrammarCompiler
+from engine.tokenizer import Tokenizer, chat_template_takes_content_parts, chat_template_takes_tools
 from pdcluster import __version__
 from routing.fanout import fan_out
 from routing.handoff import max_new_tokens
@@ -411,6 +413,7 @@ class _Gateway:
             logprobs = 0 if body.logprobs is None and num_seqs > body.n else body.logprobs
             asked_by = "n" if num_seqs == body.n else "best_of"
             params = self._sampling_params(body, body.max_tokens, logprobs)
+            await self._check_grammar(params)
             groups = [
                 self._group(j, self._make(p, params), num_seqs, asked_by)
                 for j, p in enumerate(prompts)
@@ -449,34 +452,45 @@ class _Gateway:
 
     async def chat_completions(self, http: Request) -> Response:
         body = await self.parse(http, ChatCompletionRequest)
+        tool_parser = self._tool_parser(body)
         try:
-            text = self._fits(self._render_chat(body))
+            text = self._fits(self._render_chat(body, tools=tool_parser is not None))
             token_ids = self.cluster.tokenizer.encode(text, add_special_tokens=False)
             images = [await self._fetch_image(url) for url in body.image_urls()]
             prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             params = self._sampling_params(body, body.max_new_tokens(), body.num_logprobs())
+            forced = forced_call_schema(body)
+            if forced is not None:
+                structured = StructuredOutputsParams(json=json.dumps(forced))
+                params = dataclasses.replace(params, structured_outputs=structured)
+            await self._check_grammar(params)
             group = self._group(0, self._make(prompt, params), body.n, "n")
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._chat_chunks(rid, group, include_usage, body.logprobs)
+            chunks = self._chat_chunks(rid, group, include_usage, body.logprobs, tool_parser)
             return EventStreamResponse(chunks)
         await self._run_to_end(http, [group])
-        choices = [
-            {
-                "index": r.index,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": self._chat_logprobs(
-                    r.token_ids, r.logprobs, r.top_logprobs, body.logprobs
-                ),
-                "finish_reason": r.finish_reason,
-            }
-            for r in group.results
-        ]
+        choices = []
+        for r in group.results:
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            finish_reason = r.finish_reason
+            if tool_parser is not None:
+                fields, finish_reason = tool_parser.message(r.text, finish_reason)
+                message.update(fields)
+            logprobs = self._chat_logprobs(r.token_ids, r.logprobs, r.top_logprobs, body.logprobs)
+            choices.append(
+                {
+                    "index": r.index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            )
         return JSONResponse(
             {
                 "id": rid,
@@ -551,17 +565,63 @@ class _Gateway:
         return self.cluster.tokenizer.decode(prompt, skip_special_tokens=False)
 
     @cached_property
+    def _grammars(self) -> GrammarCompiler:
+        tokenizer = self.cluster.tokenizer
+        return GrammarCompiler(tokenizer, tokenizer.vocab_size)
+
+    async def _check_grammar(self, params: SamplingParams) -> None:
+        """Compile the grammar `response_format` asks for (off the event loop: a large schema
+        takes milliseconds), so that a bad schema is the client's 400, not a failed request."""
+        structured = params.structured_outputs
+        if structured is None:
+            return
+        try:
+            await asyncio.to_thread(self._grammars.matcher, structured)
+        except ValueError as exc:
+            raise APIError(
+                400, f"response_format: {exc}", "invalid_value", "response_format"
+            ) from None
+
+    @cached_property
     def _template_takes_content_parts(self) -> bool:
         template = self.cluster.tokenizer.chat_template
         return template is None or chat_template_takes_content_parts(template)
 
+    @cached_property
+    def _template_takes_tools(self) -> bool:
+        template = self.cluster.tokenizer.chat_template
+        return template is not None and chat_template_takes_tools(template)
+
+    def _tool_parser(self, body: ChatCompletionRequest) -> ToolCallParser | None:
+        """How to read calls from the output, when the request offers tools to the model."""
+        if not body.calls_tools():
+            return None
+        if not self._template_takes_tools:
+            raise APIError(
+                400,
+                "tools: this model's chat template does not support tools (it never renders "
+                "them); send the request without tools, or serve a model whose template does",
+                "unsupported_value",
+                "tools",
+            )
+        return ToolCallParser(forced=forced_call_schema(body) is not None)
+
     def _render_chat(
-        self, body: ChatCompletionRequest | TokenizeRequest, add_generation_prompt: bool = True
+        self,
+        body: ChatCompletionRequest | TokenizeRequest,
+        add_generation_prompt: bool = True,
+        tools: bool = False,
     ) -> str:
-        """The chat prompt; a template that fails on these messages is the client's error."""
+        """The chat prompt (with `tools`: the request's tools rendered for the model); a
+        template that fails on these messages is the client's error."""
         messages = body.template_messages(self._template_takes_content_parts)
+        kwargs = {}
+        if tools and isinstance(body, ChatCompletionRequest):
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools or []]
         try:
-            return self.cluster.tokenizer.apply_chat_template(messages, add_generation_prompt)
+            return self.cluster.tokenizer.apply_chat_template(
+                messages, add_generation_prompt, **kwargs
+            )
         except TypeError as exc:  # e.g. the template adds a string to a non-string value
             raise ValueError(f"chat template failed: {exc}") from None
 
@@ -738,8 +798,15 @@ class _Gateway:
         yield DONE
 
     async def _chat_chunks(
-        self, rid: str, group: _Group, include_usage: bool, logprobs: bool
+        self,
+        rid: str,
+        group: _Group,
+        include_usage: bool,
+        logprobs: bool,
+        tool_parser: ToolCallParser | None,
     ) -> AsyncGenerator[bytes, None]:
+        """With a `tool_parser`, the whole output goes out in the last chunk: as content, or
+        as tool calls."""
         sse = ChunkEncoder(rid, "chat.completion.chunk", int(time.time()), self.model_name)
         role = {"role": "assistant", "content": ""}
         for result in group.results:
@@ -748,9 +815,12 @@ class _Gateway:
         num_sent = [0] * len(group.results)  # tokens whose logprobs went out (held-back text waits)
         async with contextlib.aclosing(self._merged([group])) as outputs:
             async for result, out in outputs:
-                if not out.new_text and not out.finished:
+                if not out.finished and (not out.new_text or tool_parser is not None):
                     continue  # text held back (an incomplete character, a possible stop string)
-                delta = {"content": out.new_text} if out.new_text else {}
+                delta: dict[str, Any] = {"content": out.new_text} if out.new_text else {}
+                finish_reason = out.finish_reason
+                if tool_parser is not None:
+                    delta, finish_reason = tool_parser.message(result.text, finish_reason, True)
                 sent = num_sent[result.index]
                 ids, lps = result.token_ids[sent:], result.logprobs[sent:]
                 tops = result.top_logprobs[sent:]
@@ -759,7 +829,7 @@ class _Gateway:
                     "index": result.index,
                     "delta": delta,
                     "logprobs": self._chat_logprobs(ids, lps, tops, logprobs),
-                    "finish_reason": out.finish_reason,
+                    "finish_reason": finish_reason,
                 }
                 if out.finish_reason == "error":
                     choice["error"] = out.error

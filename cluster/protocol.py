@@ -6,6 +6,7 @@ are accepted, and those whose non-default values we do not implement are refused
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -17,6 +18,7 @@ from engine.sampling_params import (
     MAX_PRESENCE_FREQUENCY_PENALTY,
     MAX_REPETITION_PENALTY,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 MAX_STOP_STRINGS = 8
@@ -41,6 +43,33 @@ def invalid(message: str) -> PydanticCustomError:
 
 class StreamOptions(_Body):
     include_usage: bool = Field(False, description="send a last chunk carrying usage")
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Body):
+    type: Literal["json_object"]
+
+
+class JSONSchema(_Body):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$", description="the schema's name")
+    description: str | None = Field(None, description="what the output is for")
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="the JSON schema the output matches; absent: any JSON"
+    )
+    strict: bool | None = Field(None, description="accepted: the output always follows the schema")
+
+
+class JSONSchemaFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: JSONSchema
+
+
+ResponseFormat = Annotated[
+    TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")
+]
 
 
 class _SamplingFields(_Body):
@@ -80,6 +109,9 @@ class _SamplingFields(_Body):
         None, description="token id -> bias in [-100, 100], added to its logit"
     )
     user: str | None = Field(None, max_length=256, description="ignored")
+    response_format: ResponseFormat | None = Field(
+        None, description="text (default), json_object, or json_schema: constrains the output"
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -128,7 +160,17 @@ class _SamplingFields(_Body):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            structured_outputs=self.structured_outputs(),
         )
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The grammar `response_format` asks for (its schema is checked by compiling it)."""
+        fmt = self.response_format
+        if isinstance(fmt, JSONObjectFormat):
+            return StructuredOutputsParams(json_object=True)
+        if isinstance(fmt, JSONSchemaFormat):
+            return StructuredOutputsParams(json=json.dumps(fmt.json_schema.schema_ or {}))
+        return None
 
 
 class CompletionRequest(_SamplingFields):
@@ -212,10 +254,47 @@ class ImagePart(_Body):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(..., pattern=FUNCTION_NAME, description="the function's name")
+    description: str | None = Field(None, description="what it does, for the model")
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of its arguments")
+    strict: bool | None = Field(None, description="accepted; forced calls follow the schema")
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str = Field(..., pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body):
+    name: str = Field(..., pattern=FUNCTION_NAME)
+    arguments: str = Field(..., description="the arguments as a JSON text")
+
+
+class ToolCall(_Body):
+    id: str = Field(..., max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier calls")
+    tool_call_id: str | None = Field(None, max_length=256, description="a tool's answer to")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -226,6 +305,26 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="the N likeliest tokens too (with logprobs)"
     )
+    tools: list[Tool] | None = Field(None, max_length=128, description="functions it may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default auto with tools; required or a named one forces a call"
+    )
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if choice not in (None, "none") and not names:
+            raise invalid("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        if choice not in (None, "none", "auto") and self.response_format is not None:
+            raise invalid("a forced tool call (tool_choice) cannot take a response_format too")
+        return self
+
+    def calls_tools(self) -> bool:
+        """Whether the prompt offers the tools and the output is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("top_logprobs")
     @classmethod
@@ -272,8 +371,23 @@ def template_messages(
             if not all(isinstance(p, TextPart) for p in content):
                 raise ValueError("this model's chat template takes text content only")
             content = "\n".join(p.text for p in content)
-        out.append({"role": m.role, "content": content})
+        message: dict[str, Any] = {"role": m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
+
+
+def _template_tool_call(call: ToolCall) -> dict[str, Any]:
+    """Chat templates take a call's arguments as a mapping (transformers' convention)."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 class TokenizeRequest(_Body):

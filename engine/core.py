@@ -15,6 +15,7 @@ from engine.models.loader import load_model
 from engine.outputs import EngineCoreOutput, KVConnectorOutput, RunnerOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,10 @@ class EngineCore:
         cache = size_cache(config.cache, self.model_info, self.dtype, self.device, model)
         self.config = config = dataclasses.replace(config, cache=cache)
         self.tokenizer = Tokenizer(config.model)
-        self.runner = ModelRunner(model, self.model_info, config.cache, self.device, self.dtype)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
+        self.runner = ModelRunner(
+            model, self.model_info, config.cache, self.device, self.dtype, self.grammars
+        )
         logger.info(
             "KV cache: %d blocks x %d tokens, %.3f GiB on %s",
             cache.num_blocks, cache.block_size, self.runner.kv_cache.nbytes / GiB, self.device,
@@ -112,6 +116,9 @@ class EngineCore:
             )
         if request.mm_features and not self.model_info.is_multimodal:
             raise ValueError("this model does not accept images")
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:
+            self.grammars.matcher(structured)  # compiled (and cached for the runner) now
 
     def has_work(self) -> bool:
         kv_pending = self.kv_connector is not None and self.kv_connector.has_pending()

@@ -16,6 +16,8 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import load_model
 from engine.outputs import EngineCoreOutput
 from engine.request import MultiModalFeature, Request
+from engine.structured_output import GrammarCompiler
+from engine.tokenizer import Tokenizer
 
 
 class EncoderCore:
@@ -30,7 +32,10 @@ class EncoderCore:
             raise ValueError(f"an encoder instance needs a multimodal model, not {config.model}")
         # The runner needs a KV pool; an encoder never uses it, so it gets one block.
         tiny_pool = CacheConfig(block_size=config.cache.block_size, num_blocks=1)
-        self.runner = ModelRunner(model, self.model_info, tiny_pool, self.device, self.dtype)
+        grammars = GrammarCompiler(Tokenizer(config.model), self.model_info.vocab_size)  # unused
+        self.runner = ModelRunner(
+            model, self.model_info, tiny_pool, self.device, self.dtype, grammars
+        )
         self.ec_connector = ec_connector
         self.budget = config.scheduler.encoder_compute_budget
         self.waiting: deque[Request] = deque()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import llguidance
 import torch
 
 from engine.attention import AttentionMetadata, allocate_kv_cache
@@ -18,6 +19,7 @@ from engine.penalties import LogitBias, LogitsAdjustments, TokenCounts
 from engine.request import MultiModalFeature
 from engine.sampler import make_generator, position_seed, sample
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler, advance
 
 
 @dataclass
@@ -27,6 +29,7 @@ class CachedRequestState:
     mm_features: list[MultiModalFeature]
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    grammar: llguidance.LLMatcher | None  # advanced past every token sampled here
     block_ids: list[int]
     num_computed_tokens: int
 
@@ -39,8 +42,10 @@ class ModelRunner:
         cache_config: CacheConfig,
         device: torch.device,
         dtype: torch.dtype,
+        grammars: GrammarCompiler,
     ) -> None:
         self.model = model
+        self.grammars = grammars
         self.info = info
         self.device = device
         self.dtype = dtype
@@ -83,6 +88,7 @@ class ModelRunner:
             mm_features=new.mm_features,
             sampling_params=new.sampling_params,
             generator=make_generator(new.sampling_params.seed, self.device),
+            grammar=self._new_grammar(new.sampling_params),
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
         )
@@ -90,6 +96,10 @@ class ModelRunner:
             num_prompt = len(new.prompt_token_ids) - new.num_prior_output_tokens
             prompt, prior = new.prompt_token_ids[:num_prompt], new.prompt_token_ids[num_prompt:]
             self.token_counts.add(new.req_id, prompt, prior)
+
+    def _new_grammar(self, params: SamplingParams) -> llguidance.LLMatcher | None:
+        structured = params.structured_outputs
+        return None if structured is None else self.grammars.matcher(structured)
 
     # ---- one step --------------------------------------------------------------------
     @torch.inference_mode()
@@ -133,6 +143,7 @@ class ModelRunner:
         ]
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[list[float]] = [[] for _ in req_ids]
+        grammar_done: set[str] = set()
         top_logprobs: list[list[TopLogprobs]] = [[] for _ in req_ids]
         if rows:
             logits = self.model.compute_logits(last_hidden[rows])  # [len(rows), vocab]
@@ -145,18 +156,23 @@ class ModelRunner:
                 [s.sampling_params for s in picked],
                 [s.generator for s in picked],
                 self._adjustments(picked),
+                self.grammars.bitmask([s.grammar for s in picked]),
             )
             for i, tok, lp, top in zip(rows, out.token_ids, out.logprobs, out.top_logprobs):
                 states[i].token_ids.append(tok)
                 sampled[i] = [tok]
                 logprobs[i] = [lp]
                 top_logprobs[i] = [top] if top is not None else []
+                grammar = states[i].grammar
+                if grammar is not None and advance(grammar, tok):
+                    grammar_done.add(req_ids[i])
             self.token_counts.append([s.req_id for s in picked], out.token_ids)
         return RunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             logprobs=logprobs,
+            grammar_done_req_ids=grammar_done,
             top_logprobs=top_logprobs,
         )
 

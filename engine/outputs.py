@@ -75,6 +75,7 @@ class RunnerOutput:
     # One list per request: the sampled token, or empty for a partial (chunked) prefill.
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] | None = None  # index-aligned with sampled_token_ids
+    grammar_done_req_ids: set[str] = field(default_factory=set)  # grammar complete: stop
     # Index-aligned too; a request that asked for no alternatives has an empty list.
     top_logprobs: list[list[TopLogprobs]] | None = None
     kv_connector_output: KVConnectorOutput | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.outputs import TopLogprobs
@@ -23,14 +24,20 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     adjustments: LogitsAdjustments | None = None,
+    grammar_bitmask: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """Pick one token per row.
 
     logits: [num_reqs, vocab] float32, changed in place by `adjustments` (logit bias,
     penalties). Log-probabilities, of the sampled token and of the top-N, are those of the
     model's raw distribution: before logit bias, penalties, temperature, top-k and top-p
-    (vLLM's default).
+    (vLLM's default); under a grammar, of that distribution restricted to the tokens the
+    grammar allows.
+    grammar_bitmask: [num_reqs, ceil(vocab / 32)] int32, bit t of a row set where token t is
+    allowed (see `engine.structured_output`), or None when no row has a grammar.
     """
+    if grammar_bitmask is not None:
+        logits = apply_grammar_masks(logits, grammar_bitmask)
     logprobs = torch.log_softmax(logits, dim=-1)  # [num_reqs, vocab]
     if adjustments is not None:
         adjust_logits(logits, adjustments)
@@ -55,6 +62,17 @@ def _top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[
         TopLogprobs(tuple(ids[:n]), tuple(vals[:n])) if n else None
         for n, ids, vals in zip(wanted, indices_list, values_list)
     ]
+
+
+def apply_grammar_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits with every token a row's grammar forbids at -inf: [num_reqs, vocab].
+
+    bitmask: [num_reqs, words] int32 on the CPU, little-endian: token t is bit t % 32 of
+    word t // 32, so its bytes unpack in token order."""
+    num_reqs, vocab = logits.shape
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, :vocab]).to(logits.device, torch.bool)  # [num_reqs, vocab]
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

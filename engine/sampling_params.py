@@ -12,6 +12,30 @@ MAX_PRESENCE_FREQUENCY_PENALTY = 2.0  # |penalty| at most, as OpenAI
 MAX_REPETITION_PENALTY = 100.0
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar the output must match: one JSON schema (serialized), or any JSON object.
+
+    `prefix_token_ids` were generated under this grammar before this request started (on a
+    decode instance: the first token, sampled by prefill); the matcher consumes them first.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    prefix_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.json is None) == (not self.json_object):
+            raise ValueError("structured outputs take exactly one of json and json_object")
+        if not isinstance(self.json, (str, type(None))):
+            raise ValueError("structured outputs json must be a serialized JSON schema")
+
+    @property
+    def schema(self) -> str:
+        """The JSON schema the output matches, serialized (json_object: any object)."""
+        return self.json if self.json is not None else '{"type": "object"}'
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. Mirrors vLLM's names."""
@@ -35,6 +59,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrain to a grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

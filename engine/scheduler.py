@@ -475,6 +475,7 @@ class Scheduler:
                 sampled[i],
                 logprobs[i] if logprobs else None,
                 top_logprobs[i] if top_logprobs else None,
+                rid in runner_output.grammar_done_req_ids,
             )
             if output.finish_reason is not None:
                 num_stopped += 1
@@ -501,7 +502,9 @@ class Scheduler:
         token_ids: list[int],
         logprobs: list[float] | None,
         top_logprobs: list[TopLogprobs] | None,
+        grammar_done: bool,
     ) -> EngineCoreOutput:
+        """`grammar_done`: the request's grammar is complete after the last of `token_ids`."""
         if not request.output_token_ids:
             self.num_prompt_tokens += request.num_prompt_tokens
         new_token_ids = token_ids
@@ -510,7 +513,8 @@ class Scheduler:
             request.output_token_ids.append(token_id)
             if logprobs:
                 request.output_logprobs.append(logprobs[j])
-            status = check_stop(request, token_id, self.max_model_len)
+            done = grammar_done and j == len(token_ids) - 1
+            status = check_stop(request, token_id, self.max_model_len, done)
             if status is not None:
                 new_token_ids = token_ids[: j + 1]
                 break

@@ -47,10 +47,15 @@ class StepState:
         request.num_computed_tokens += num_new
 
 
-def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+def check_stop(
+    request: Request, token_id: int, max_model_len: int, grammar_done: bool = False
+) -> RequestStatus | None:
     """The finished status `token_id` (just appended) puts the request in, if any. Stop
-    strings are not checked here: the engine core's detokenizer calls finish_requests."""
+    strings are not checked here: the engine core's detokenizer calls finish_requests.
+    A complete grammar (`grammar_done`) stops the request: it allows no further token."""
     params = request.sampling_params
+    if grammar_done:
+        return RequestStatus.FINISHED_STOPPED
     num_output = len(request.output_token_ids)
     if num_output >= params.min_tokens:
         if token_id in request.eos_token_ids and not params.ignore_eos:

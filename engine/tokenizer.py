@@ -82,6 +82,12 @@ def chat_template_takes_content_parts(source: str) -> bool:
     return loops_over_content or reads_type
 
 
+def chat_template_takes_tools(source: str) -> bool:
+    """Whether a chat template renders a `tools` list (function definitions) at all."""
+    tree = jinja2.Environment(extensions=[loopcontrols]).parse(source)
+    return any(n.name == "tools" for n in tree.find_all(nodes.Name))
+
+
 class Tokenizer:
     """The tokenizer of a Hugging Face checkpoint folder (tokenizer.json and its configs)."""
 
@@ -151,6 +157,10 @@ class Tokenizer:
         """The longest token's spelling in the vocabulary: a text of n characters holds at
         least n / max_token_chars tokens (before normalization)."""
         return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+    def to_json(self) -> str:
+        """The whole tokenizer as tokenizer.json text (what grammar libraries load)."""
+        return self._tokenizer.to_str()
 
     @cached_property
     def special_ids(self) -> frozenset[int]:

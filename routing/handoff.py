@@ -27,12 +27,18 @@ def for_prefill(request: Request) -> Request:
 
 
 def for_decode(request: Request, first_token: int, kv_transfer_params: dict[str, Any]) -> Request:
-    """D continues after P's first token, reading the prompt's KV from P."""
+    """D continues after P's first token, reading the prompt's KV from P (and its grammar,
+    if any, from where that token left it)."""
     p = request.sampling_params
+    structured = p.structured_outputs
+    if structured is not None:
+        prefix = (*structured.prefix_token_ids, first_token)
+        structured = dataclasses.replace(structured, prefix_token_ids=prefix)
     params = dataclasses.replace(
         p,
         max_tokens=None if p.max_tokens is None else p.max_tokens - 1,
         min_tokens=max(0, p.min_tokens - 1),
+        structured_outputs=structured,
     )
     prompt = [*request.prompt_token_ids, first_token]
     return _copy(request, prompt, params, kv_transfer_params, request.num_prior_output_tokens + 1)

