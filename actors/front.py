@@ -420,7 +420,9 @@ class Front:
             policy.mark_dead(instance_id)
         load = reply.load
         policy.apply_report(
-            instance_id, Load(load.num_active, load.queued_prefill_tokens, load.kv_tokens)
+            instance_id,
+            Load(load.num_active, load.queued_prefill_tokens, load.kv_tokens),
+            load.num_blocks_total,
         )
         events = reply.events
         policy.apply_kv_events(instance_id, events.stored, events.removed, events.reset)

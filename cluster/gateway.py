@@ -75,7 +75,7 @@ class ClusterClient(Protocol):
         self, prompt: Any, params: SamplingParams, request_id: str
     ) -> EngineRequest: ...
 
-    kv_tokens_per_instance: int
+    kv_tokens_per_instance: int | None
 
     def stream_group(
         self, requests: list[EngineRequest]
@@ -659,7 +659,8 @@ class _Gateway:
         all fit its KV cache at once (`asked_by`: the body field that asked for them)."""
         max_new = max_new_tokens(request, self.max_model_len)
         capacity = self.cluster.kv_tokens_per_instance
-        if num_seqs > 1 and num_seqs * (request.num_prompt_tokens + max_new) > capacity:
+        needed = num_seqs * (request.num_prompt_tokens + max_new)
+        if num_seqs > 1 and capacity is not None and needed > capacity:
             raise APIError(
                 400,
                 f"{asked_by}: {num_seqs} sequences of {request.num_prompt_tokens} prompt tokens and "

@@ -144,10 +144,17 @@ class Cluster:
         return self.config.engine_settings(roles[0]).max_model_len
 
     @property
-    def kv_tokens_per_instance(self) -> int:
-        """The KV tokens of the smallest pool that holds a request's sequences to the end."""
+    def kv_tokens_per_instance(self) -> int | None:
+        """The KV tokens of the smallest pool that holds a request's sequences to the end, as
+        the instances report them (a pool sized by memory is known only once it is up); the
+        configured size before any report, None where that is set by memory."""
         roles = [r for r in ("decode", "mixed") if self.config.role(r).count] or ["prefill"]
+        reported = self.front.policy.min_kv_tokens(roles)
+        if reported is not None:
+            return reported
         settings = [self.config.engine_settings(r) for r in roles]
+        if any(s.num_blocks is None for s in settings):
+            return None
         return min(s.num_blocks * s.block_size for s in settings)
 
     def wait_idle(self, timeout_s: float = 30.0) -> list[dict[str, Any]]:

@@ -55,6 +55,7 @@ class InstanceLoad:
     published: Load | None = None  # the instance's last report (every replica's requests)
     own_at_publish: Load = field(default_factory=Load)  # `own` when that report came
     cached_blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    num_blocks_total: int | None = None  # its KV pool, as last reported
 
     def load(self, name: str) -> int:
         """Published load plus what this replica changed since; its own alone before any
@@ -115,6 +116,16 @@ class RouterPolicy:
         if instance_id not in self.instances:
             self.instances[instance_id] = InstanceLoad(instance_id, role)
 
+    def min_kv_tokens(self, roles: Iterable[str]) -> int | None:
+        """The KV tokens of the smallest reported pool among healthy instances of `roles`;
+        None before any of them reported."""
+        sizes = [
+            load.num_blocks_total * self.config.block_size
+            for load in list(self.instances.values())  # read from the gateway's thread too
+            if load.role in roles and load.healthy and load.num_blocks_total is not None
+        ]
+        return min(sizes, default=None)
+
     def remove_instance(self, instance_id: str) -> None:
         self.instances.pop(instance_id, None)
 
@@ -126,11 +137,14 @@ class RouterPolicy:
     def mark_alive(self, instance_id: str) -> None:
         self.instances[instance_id].healthy = True
 
-    def apply_report(self, instance_id: str, published: Load) -> None:
-        """The instance's own count of its load, as of now."""
+    def apply_report(
+        self, instance_id: str, published: Load, num_blocks_total: int | None = None
+    ) -> None:
+        """The instance's own count of its load (and size of its KV pool), as of now."""
         load = self.instances.get(instance_id)
         if load is not None:
             load.published = published
+            load.num_blocks_total = num_blocks_total
             load.own_at_publish = Load(**{f: getattr(load.own, f) for f in LOAD_FIELDS})
 
     def apply_kv_events(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from routing.policy import Plan, RouterConfig, RouterPolicy, block_hashes
+from routing.policy import Load, Plan, RouterConfig, RouterPolicy, block_hashes
 
 BLOCK = 4  # tokens per block in these tests: prompts stay short
 
@@ -296,3 +296,15 @@ def test_encoders_are_balanced_by_active_encodes():
     assert second != first
     policy.on_encode_end(first)
     assert policy.instances[first].num_active == 0
+
+
+def test_min_kv_tokens_is_the_smallest_reported_healthy_pool_of_the_roles():
+    policy = make_policy(num_prefill=1)
+    assert policy.min_kv_tokens(["decode"]) is None  # nothing reported yet
+    policy.apply_report("P0", Load(), num_blocks_total=10)
+    policy.apply_report("D0", Load(), num_blocks_total=100)
+    policy.apply_report("D1", Load(), num_blocks_total=40)
+    assert policy.min_kv_tokens(["decode"]) == 40 * BLOCK
+    policy.mark_dead("D1")
+    assert policy.min_kv_tokens(["decode"]) == 100 * BLOCK
+    assert policy.min_kv_tokens(["prefill", "decode"]) == 10 * BLOCK
