@@ -4,10 +4,13 @@ Replays a window of a trace (TIMESTAMP,ContextTokens,GeneratedTokens CSV; the Az
 conversation trace by default) or a synthetic Poisson stream, open loop, streaming, and
 reports TTFT / TPOT / ITL / e2e percentiles, throughput, SLO attainment and goodput (the
 highest swept rate at which >= 90% of requests meet both SLOs). Writes results.json,
-summary.md and PNG plots to --out.
+summary.md and PNG plots to --out. Launched topologies also report where each request's time
+went (queue, prefill, handoff, decode: benchmarks/stages.py), from the instances' stage times.
 
     pdcluster bench --topologies local-1p1d,local-mixed --model preset:small-llama \\
         --token-scale 0.25 --num-requests 60 --rates 0.5,1,2,4 --slo-scale 5,3 --out bench-out
+    pdcluster bench --topologies local-1p1d,local-mixed --model smollm2-135m \\
+        --vary local-mixed:engine.max_num_batched_tokens=256,512,1024 --rates 0.2,0.4 ...
     pdcluster bench --url http://127.0.0.1:8000 --synthetic --rate 2 --prompt-len 256 \\
         --output-len 64 --num-requests 50 --ttft-slo-ms 500 --tpot-slo-ms 100
 
@@ -30,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
+from benchmarks import report, stages
 from benchmarks.client import (
     ClientProcess,
     PreparedRequest,
@@ -39,7 +42,16 @@ from benchmarks.client import (
     stream_one,
 )
 from benchmarks.metrics import Slo, goodput, search_rates, summarize
-from benchmarks.targets import REPO_ROOT, Target, local_target, url_target, wait_quiet
+from benchmarks.targets import (
+    REPO_ROOT,
+    Target,
+    Variant,
+    expand_variants,
+    load_variant,
+    local_target,
+    url_target,
+    wait_quiet,
+)
 from benchmarks.workload import (
     LengthScaling,
     RequestSpec,
@@ -71,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--topologies", help="comma list of ray_configs names or YAML paths to launch")
     t.add_argument("--model", help="override each topology's model (e.g. preset:small-llama)")
     t.add_argument("--api-key", default=None, help="bearer key of the --url gateway")
+    t.add_argument(
+        "--vary",
+        action="append",
+        default=[],
+        metavar="TOPOLOGY:KEY=V1,V2,...",
+        help="run TOPOLOGY once per value of a config setting (KEY dotted as in the YAML, e.g.\n"
+        "local-mixed:engine.max_num_batched_tokens=256,512,1024); repeat for a grid",
+    )
 
     w = p.add_argument_group("workload")
     w.add_argument(
@@ -145,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check(args)
+        variants = _variants(args)
         workload = build_workload(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -162,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"workload: {description}")
     reference: Slo | None = None
-    for target_cm in _targets(args):
+    for target_cm, variant in _targets(args, variants):
         with target_cm as target:
             result = bench_target(target, args, workload, reference)
+        if variant is not None and variant.settings:
+            result["settings"] = variant.settings
         results["topologies"].append(result)
         if args.slo_reference == "first" and reference is None and result.get("slo"):
             reference = Slo(result["slo"]["ttft_ms"], result["slo"]["tpot_ms"])
@@ -180,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 def _check(args: argparse.Namespace) -> None:
     if bool(args.url) == bool(args.topologies):
         raise ValueError("give exactly one of --url and --topologies")
+    if args.vary and args.url:
+        raise ValueError("--vary needs --topologies (it changes the configs it launches)")
     if args.gateway_overhead and args.url:
         raise ValueError("--gateway-overhead needs --topologies (it calls the Python API)")
     if args.synthetic and args.rate is None and not args.rates:
@@ -193,12 +218,25 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--image-fraction is a fraction in [0, 1]")
 
 
-def _targets(args: argparse.Namespace) -> Iterator[contextlib.AbstractContextManager[Target]]:
+def _variants(args: argparse.Namespace) -> list[Variant]:
+    """The topologies to launch (each --vary point one), their configs checked up front."""
     if args.url:
-        yield contextlib.nullcontext(url_target(args.url, args.api_key))
+        return []
+    names = [n.strip() for n in args.topologies.split(",") if n.strip()]
+    variants = expand_variants(names, args.vary)
+    for variant in variants:
+        load_variant(variant, args.model)
+    return variants
+
+
+def _targets(
+    args: argparse.Namespace, variants: list[Variant]
+) -> Iterator[tuple[contextlib.AbstractContextManager[Target], Variant | None]]:
+    if args.url:
+        yield contextlib.nullcontext(url_target(args.url, args.api_key)), None
         return
-    for name in [n.strip() for n in args.topologies.split(",") if n.strip()]:
-        yield local_target(name, args.model)
+    for variant in variants:
+        yield local_target(variant, args.model), variant
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -308,6 +346,12 @@ def run_rate(
     )
     summary = summarize(outcome.results, outcome.duration_s, slo)
     print(report.run_line(target.name, actual_rate, summary) + f"   [{workload.describe()}]")
+    records = [r.to_dict() for r in outcome.results]
+    if target.cluster is not None:  # launched here: the replica's traces are at hand
+        per_request = stages.join(prepared, outcome.results, target.cluster.front.traces())
+        for record, stage_ms in zip(records, per_request):
+            record["stages_ms"] = stage_ms
+        summary["stages_ms"] = stages.summarize_stages(per_request)
     return {
         "rate_rps": actual_rate,
         "scaling": workload.scaling,
@@ -316,7 +360,7 @@ def run_rate(
         "max_run_s": limit,
         "loadavg": {"before": load_before, "after": report.loadavg()},  # a shared machine?
         "summary": summary,
-        "requests": [r.to_dict() for r in outcome.results],
+        "requests": records,
     }
 
 
