@@ -415,6 +415,7 @@ def test_bench_smoke_two_topologies(ray_session, preset_dir, tmp_path):
     ]
     summary = (out / "summary.md").read_text()
     assert "Ratios: " in summary and "Goodput" in summary and "synthetic Poisson" in summary
+    assert summary.count("Where the time went") == 2 and "kv_wait" in summary
     for png in ("attainment_vs_rate.png", "ttft_cdf.png", "tpot_cdf.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not math.isnan(results["cdf_rate_rps"])
