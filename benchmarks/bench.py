@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         results["topologies"].append(result)
         if args.slo_reference == "first" and reference is None and result.get("slo"):
             reference = Slo(result["slo"]["ttft_ms"], result["slo"]["tpot_ms"])
-    results["machine"]["loadavg_end"] = report.loadavg()
-    paths = report.write_all(results, Path(args.out), args.cdf_rate)
+        results["machine"]["loadavg_end"] = report.loadavg()
+        paths = report.write_all(results, Path(args.out), args.cdf_rate)  # a cut run keeps these
     if args.save_vllm_json:
         paths["vllm_json"] = report.write_vllm_json(results, Path(args.save_vllm_json))
     print(paths["summary"].read_text(encoding="utf-8"))
@@ -223,6 +223,8 @@ def _variants(args: argparse.Namespace) -> list[Variant]:
     if args.url:
         return []
     names = [n.strip() for n in args.topologies.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--topologies names no topology")
     variants = expand_variants(names, args.vary)
     for variant in variants:
         load_variant(variant, args.model)
