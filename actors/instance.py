@@ -407,6 +407,7 @@ class InstanceActor:
         }
         stats.update(self.core.stats())
         stats["num_active"] = len(self.core.request_ids())
+        stats["num_stage_clocks"] = len(self._clock)  # requests whose stage times are open
         stats["num_steps"] = self._num_steps
         stats["paused"] = self._paused.is_set()
         self._stats = stats
