@@ -35,7 +35,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from actors.messages import PullReply, Route
+from actors.messages import PullReply, RequestTrace, Route, StageTimes
 from actors.pixels import by_reference
 from engine.outputs import EngineCoreOutput
 from engine.request import Request
@@ -51,6 +51,8 @@ RETRY_PULL_S = 0.5  # pause between pulls of an instance that failed
 MEMBERS_POLL_S = 1.0  # how often the pool's membership is re-read
 CLOSE_TIMEOUT_S = 10.0
 LATENCY_REPORT_ROUNDS = 5  # membership polls between two latency reports to the planner
+MAX_TRACES = 10_000  # finished requests' traces kept for `Front.traces`
+TRACE_PROMPT_HEAD = 8  # prompt token ids a trace keeps
 
 Deliver = Callable[[list[EngineCoreOutput]], None]
 _FRONTS: weakref.WeakSet[Front] = weakref.WeakSet()
@@ -75,6 +77,9 @@ class _Flight:
     started_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     num_tokens: int = 0
+    started_wall_s: float = field(default_factory=time.time)  # for the trace, like:
+    first_token_wall_s: float | None = None
+    stage_times: list[StageTimes] = field(default_factory=list)  # as instances let it go
 
 
 class Front:
@@ -92,6 +97,7 @@ class Front:
         self._members = members
         self._report_latency = report_latency  # this replica's TTFT/TPOT p90, to the planner
         self._latencies: deque[tuple[float, float, float | None]] = deque(maxlen=1000)
+        self._traces: deque[RequestTrace] = deque(maxlen=MAX_TRACES)
         self.policy = RouterPolicy({}, config)
         self._handles: dict[str, ActorHandle] = {}
         self._pullers: dict[str, asyncio.Task] = {}
@@ -153,6 +159,10 @@ class Front:
         """Every instance's stats; one that does not answer within `timeout_s` is unhealthy
         and, with only its id and role, `reachable: False`."""
         return self._call(self._stats(timeout_s))
+
+    def traces(self) -> list[RequestTrace]:
+        """The latest finished requests' traces (at most MAX_TRACES), oldest first."""
+        return self._call(lambda: list(self._traces)).result()
 
     def num_in_flight(self) -> int:
         return len(self._wire_ids)
@@ -272,12 +282,27 @@ class Front:
         self._wire_ids.pop(flight.client_id, None)
         self._release(flight)
         self._deliver(flight, batch)
+        self._trace(flight)
         if flight.first_token_s is not None:
             now = time.monotonic()
             tpot = None
             if flight.num_tokens > 1:
                 tpot = (now - flight.first_token_s) / (flight.num_tokens - 1)
             self._latencies.append((now, flight.first_token_s - flight.started_s, tpot))
+
+    def _trace(self, flight: _Flight) -> None:
+        request = flight.request
+        trace = RequestTrace(
+            flight.client_id,
+            tuple(request.prompt_token_ids[:TRACE_PROMPT_HEAD]),
+            request.num_prompt_tokens,
+            flight.num_tokens,
+            flight.started_wall_s,
+            flight.first_token_wall_s,
+            time.time(),
+            flight.stage_times,
+        )
+        self._traces.append(trace)
 
     def latency_p90(self, window_s: float = 60.0) -> tuple[float | None, float | None]:
         """TTFT and TPOT p90 (ms) of the requests this replica finished in the window."""
@@ -333,6 +358,7 @@ class Front:
             num_tokens = sum(len(o.new_token_ids) for o in batch)
             if num_tokens and flight.first_token_s is None:
                 flight.first_token_s = now
+                flight.first_token_wall_s = time.time()
             flight.num_tokens += num_tokens
             if batch[-1].finished:
                 self._finish(flight, batch)
@@ -426,6 +452,10 @@ class Front:
         )
         events = reply.events
         policy.apply_kv_events(instance_id, events.stored, events.removed, events.reset)
+        for stage_times in reply.stage_times:  # before the outputs, which may end the flight
+            flight = self._flights.get(stage_times.request_id)
+            if flight is not None:
+                flight.stage_times.append(stage_times)
         if reply.outputs:
             self._dispatch(instance_id, reply.outputs)
 

@@ -30,8 +30,9 @@ from ray.actor import ActorHandle
 
 from actors.instance_metrics import InstanceMetrics
 from actors.kv_events import KVEventLog
-from actors.messages import LoadReport, PullReply, Route
+from actors.messages import LoadReport, PullReply, Route, StageTimes
 from actors.pixels import prefetch
+from actors.stage_clock import StageClock
 from actors.streams import Outboxes, reap_orphans
 from connectors.ray_ec import RayECConnector
 from connectors.ray_kv import RayKVConnector
@@ -105,6 +106,7 @@ class InstanceActor:
         if isinstance(self.core, EngineCore):
             self.core.enable_kv_events()
         self._streams = Outboxes(spec.stream_idle_timeout_s)
+        self._clock = StageClock(spec.instance_id, spec.role)  # the step thread's
         self._kv_log = KVEventLog()
         self._handoffs: dict[str, tuple[Request, str]] = {}  # P: request id -> (it, its D)
         self._decode_handles: dict[str, ActorHandle] = {}
@@ -125,6 +127,7 @@ class InstanceActor:
     async def submit(self, request: Request, route: Route) -> None:
         """Start a request whose outputs `route.consumer_id` pulls. With `route.decode_id`
         (a P), the prompt is prefilled here and the request handed to that D."""
+        received_s = time.time()
         rid = request.request_id
         if self._streams.aborted_before_start(rid):
             return
@@ -140,7 +143,7 @@ class InstanceActor:
         if route.decode_id is not None:
             self._handoffs[rid] = (request, route.decode_id)
             request = for_prefill(request)
-        self._inbox.put(("add", (request, route.ec_handle)))
+        self._inbox.put(("add", (request, route.ec_handle, received_s)))
 
     async def pull(
         self, consumer_id: str, epoch: str | None = None, events_after: int = -1,
@@ -162,7 +165,9 @@ class InstanceActor:
             num_blocks_total=stats.get("num_blocks_total", 0),
         )
         events = self._kv_log.since(epoch, events_after)
-        return PullReply(outputs, load, events, accepting=not (self._draining or self._stopping))
+        accepting = not (self._draining or self._stopping)
+        stage_times = self._streams.take_stage_times(consumer_id)
+        return PullReply(outputs, load, events, accepting, stage_times)
 
     async def encode(self, request: Request) -> dict[str, np.ndarray]:
         """Encoder role: the encoder outputs of every image of `request`, by mm_hash."""
@@ -178,7 +183,7 @@ class InstanceActor:
             self._encodes.pop(rid, None)
             return {}
         self._mm_hashes[rid] = [f.mm_hash for f in request.mm_features]
-        self._inbox.put(("add", (request, None)))
+        self._inbox.put(("add", (request, None, time.time())))
         try:
             out, outputs = await future
         finally:
@@ -273,6 +278,7 @@ class InstanceActor:
     def _step_once(self) -> bool:
         """One engine step and the delivery of its outputs; True when a model ran. (A method
         of its own so that no output, and no KV handle in one, outlives the step.)"""
+        started_s = time.time()
         try:
             outputs, model_executed = self.core.step()
         except Exception as exc:  # noqa: BLE001 - a step failure must not kill the actor
@@ -280,14 +286,22 @@ class InstanceActor:
             self._fail_all(f"internal error on {self.spec.instance_id}: {exc}")
             return False
         self._num_steps += 1
+        done = self._stamp(started_s, outputs)
         for out in outputs:
-            self._deliver(out)
+            self._deliver(out, done.get(out.request_id))
         if isinstance(self.core, EncoderCore):
             self.core.ec_connector.clear_outbox()
         elif (events := self.core.take_kv_events()) and self._loop is not None:
             self._loop.call_soon_threadsafe(self._kv_log.extend, events)
         self._publish_stats()
         return model_executed
+
+    def _stamp(self, started_s: float, outputs: list[EngineCoreOutput]) -> dict[str, StageTimes]:
+        """Stage times of the step that just ran; those of the requests it ended here."""
+        if not len(self._clock):
+            return {}
+        running = (r.request_id for r in self.core.scheduler.running)
+        return self._clock.after_step(started_s, time.time(), running, outputs)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -306,7 +320,7 @@ class InstanceActor:
 
     def _handle(self, command: str, arg: Any) -> None:
         if command == "add":
-            request, ec_handle = arg
+            request, ec_handle, received_s = arg
             try:
                 self.core.add_request(request)
             except ValueError as exc:
@@ -314,14 +328,18 @@ class InstanceActor:
                     EngineCoreOutput(request.request_id, [], finish_reason="error", error=str(exc))
                 )
                 return
+            if isinstance(self.core, EngineCore):
+                self._clock.received(request.request_id, received_s)
             ec = getattr(self.core, "ec_connector", None)
             if ec_handle and isinstance(ec, RayECConnector):
                 ec.add_handle(request.request_id, ec_handle)
         elif command == "abort":
             self.core.abort_requests(arg)  # their streams were closed already
+            self._clock.forget(arg)
 
-    def _deliver(self, out: EngineCoreOutput) -> None:
-        """Hand an output to the event loop (from the step thread)."""
+    def _deliver(self, out: EngineCoreOutput, stage_times: StageTimes | None = None) -> None:
+        """Hand an output (with the request's stage times when it leaves here) to the event
+        loop (from the step thread)."""
         if self._loop is None:
             return
         if self.spec.role == "encoder":
@@ -331,16 +349,16 @@ class InstanceActor:
                 )
                 self._loop.call_soon_threadsafe(self._encoded, out, outputs)
         elif out.finished and out.request_id in self._handoffs:
-            self._loop.call_soon_threadsafe(self._hand_off, out)
+            self._loop.call_soon_threadsafe(self._hand_off, out, stage_times)
         else:
-            self._loop.call_soon_threadsafe(self._streams.put, out)
+            self._loop.call_soon_threadsafe(self._streams.put, out, stage_times)
 
     def _encoded(self, out: EngineCoreOutput, outputs: dict[str, np.ndarray]) -> None:
         future = self._encodes.get(out.request_id)
         if future is not None and not future.done():  # else `encode` was aborted
             future.set_result((out, outputs))
 
-    def _hand_off(self, out: EngineCoreOutput) -> None:
+    def _hand_off(self, out: EngineCoreOutput, stage_times: StageTimes | None) -> None:
         """P finished a prefill: pass the request to its D, which reads the KV and streams
         the rest; the first token goes to the consumer from here. A request that ends here
         (an error, EOS, a stop string) frees the KV nobody will read."""
@@ -353,17 +371,18 @@ class InstanceActor:
         if out.finish_reason != "length" or params is None:
             if params is not None:
                 self._inbox.put(("abort", [out.request_id]))
-            self._streams.put(out)
+            self._streams.put(out, stage_times)
             return
         try:
             handle = self._decode_handle(decode_id)
         except ValueError as exc:
             self._inbox.put(("abort", [out.request_id]))
-            self._streams.put(dataclasses.replace(out, finish_reason="error", error=str(exc)))
+            error = dataclasses.replace(out, finish_reason="error", error=str(exc))
+            self._streams.put(error, stage_times)
             return
         consumer_id = self._streams.consumer_of(out.request_id)
         handle.submit.remote(for_decode(request, out.new_token_ids[0], params), Route(consumer_id))
-        self._streams.put(dataclasses.replace(out, finish_reason=None))
+        self._streams.put(dataclasses.replace(out, finish_reason=None), stage_times)
         self._streams.close(out.request_id)  # D streams the rest; P holds KV until D's ack
 
     def _decode_handle(self, decode_id: str) -> ActorHandle:
@@ -377,7 +396,9 @@ class InstanceActor:
 
     def _fail_all(self, message: str) -> None:
         """Finish every request with an error (after an internal failure or at shutdown)."""
-        for request_id in self.core.fail_all():
+        request_ids = self.core.fail_all()
+        self._clock.forget(request_ids)
+        for request_id in request_ids:
             self._deliver(EngineCoreOutput(request_id, [], finish_reason="error", error=message))
 
     def _publish_stats(self) -> None:
@@ -390,6 +411,7 @@ class InstanceActor:
         }
         stats.update(self.core.stats())
         stats["num_active"] = len(self.core.request_ids())
+        stats["num_stage_clocks"] = len(self._clock)  # requests whose stage times are open
         stats["num_steps"] = self._num_steps
         stats["paused"] = self._paused.is_set()
         self._stats = stats

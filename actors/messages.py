@@ -3,7 +3,8 @@
 A gateway replica submits a request to an instance with a `Route` (who reads its outputs,
 where its encoder outputs come from, which D takes over after prefill) and reads every one
 of its requests on that instance with one `pull` per step, answered by a `PullReply`
-carrying the outputs, the instance's load and its prefix-cache changes.
+carrying the outputs, the instance's load, its prefix-cache changes and the stage times of
+the requests that left it.
 """
 
 from __future__ import annotations
@@ -45,8 +46,39 @@ class KVEvents:
 
 
 @dataclass(frozen=True)
+class StageTimes:
+    """When one request passed each stage on one instance (wall clock, time.time(), so that
+    the instances and replicas of one node compare; step granularity). Sent once, with the
+    request's last output from that instance (P: its first token, handed to D)."""
+
+    request_id: str
+    instance_id: str
+    role: str
+    received_s: float  # `submit` reached the instance
+    scheduled_s: float | None = None  # start of the first step that ran it (D: KV landed)
+    first_token_s: float | None = None  # end of the step that produced its first token here
+    finished_s: float | None = None  # its last output here left the step loop
+
+
+@dataclass(frozen=True)
 class PullReply:
     outputs: list[EngineCoreOutput]
     load: LoadReport
     events: KVEvents
     accepting: bool  # False while draining or stopping: route nothing new here
+    stage_times: list[StageTimes] = field(default_factory=list)  # of requests that left here
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    """What one gateway replica saw of a finished request, with the stage times of every
+    instance it passed (`Front.traces()`; wall clock like `StageTimes`)."""
+
+    request_id: str  # the caller's
+    prompt_head: tuple[int, ...]  # its first prompt token ids: tells a caller's requests apart
+    num_prompt_tokens: int
+    num_output_tokens: int
+    started_s: float  # the replica planned it
+    first_token_s: float | None  # its first token reached the replica
+    finished_s: float
+    stage_times: list[StageTimes]  # in the order the instances let the request go

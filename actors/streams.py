@@ -14,12 +14,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from actors.messages import StageTimes
 from engine.outputs import EngineCoreOutput
 
 
 @dataclass
 class _Outbox:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
+    stage_times: list[StageTimes] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     request_ids: set[str] = field(default_factory=set)
     last_pull: float = field(default_factory=time.monotonic)
@@ -58,13 +60,16 @@ class Outboxes:
         a call whose arguments are still in transfer after a later call)."""
         return self._closed_unopened.pop(request_id, None) is not None
 
-    def put(self, out: EngineCoreOutput) -> None:
-        """Queue an output for its consumer; dropped when the request was closed. A finished
-        output closes the request."""
+    def put(self, out: EngineCoreOutput, stage_times: StageTimes | None = None) -> None:
+        """Queue an output (and the request's stage times here, with its last output) for
+        its consumer; dropped when the request was closed. A finished output closes the
+        request."""
         consumer_id = self._consumer_of.get(out.request_id)
         if consumer_id is None:
             return
         box = self._boxes[consumer_id]
+        if stage_times is not None:
+            box.stage_times.append(stage_times)
         box.outputs.append(out)
         box.ready.set()
         if out.finished:
@@ -104,6 +109,14 @@ class Outboxes:
         outputs, box.outputs = box.outputs, []
         box.ready.clear()
         return outputs
+
+    def take_stage_times(self, consumer_id: str) -> list[StageTimes]:
+        """The stage times queued for the consumer (with the outputs its pull just took)."""
+        box = self._boxes.get(consumer_id)
+        if box is None or not box.stage_times:
+            return []
+        stage_times, box.stage_times = box.stage_times, []
+        return stage_times
 
     def num_promised(self) -> int:
         return sum(box.num_promised for box in self._boxes.values())

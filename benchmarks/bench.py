@@ -4,10 +4,13 @@ Replays a window of a trace (TIMESTAMP,ContextTokens,GeneratedTokens CSV; the Az
 conversation trace by default) or a synthetic Poisson stream, open loop, streaming, and
 reports TTFT / TPOT / ITL / e2e percentiles, throughput, SLO attainment and goodput (the
 highest swept rate at which >= 90% of requests meet both SLOs). Writes results.json,
-summary.md and PNG plots to --out.
+summary.md and PNG plots to --out. Launched topologies also report where each request's time
+went (queue, prefill, handoff, decode: benchmarks/stages.py), from the instances' stage times.
 
     pdcluster bench --topologies local-1p1d,local-mixed --model preset:small-llama \\
         --token-scale 0.25 --num-requests 60 --rates 0.5,1,2,4 --slo-scale 5,3 --out bench-out
+    pdcluster bench --topologies local-1p1d,local-mixed --model smollm2-135m \\
+        --vary local-mixed:engine.max_num_batched_tokens=256,512,1024 --rates 0.2,0.4 ...
     pdcluster bench --url http://127.0.0.1:8000 --synthetic --rate 2 --prompt-len 256 \\
         --output-len 64 --num-requests 50 --ttft-slo-ms 500 --tpot-slo-ms 100
 
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
+from benchmarks import report, stages
 from benchmarks.client import (
     ClientProcess,
     PreparedRequest,
@@ -42,6 +45,9 @@ from benchmarks.metrics import Slo, goodput, search_rates, summarize
 from benchmarks.targets import (
     REPO_ROOT,
     Target,
+    Variant,
+    expand_variants,
+    load_variant,
     local_target,
     shared_ray,
     url_target,
@@ -78,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--topologies", help="comma list of ray_configs names or YAML paths to launch")
     t.add_argument("--model", help="override each topology's model (e.g. preset:small-llama)")
     t.add_argument("--api-key", default=None, help="bearer key of the --url gateway")
+    t.add_argument(
+        "--vary",
+        action="append",
+        default=[],
+        metavar="TOPOLOGY:KEY=V1,V2,...",
+        help="run TOPOLOGY once per value of a config setting (KEY dotted as in the YAML, e.g.\n"
+        "local-mixed:engine.max_num_batched_tokens=256,512,1024); repeat for a grid",
+    )
 
     w = p.add_argument_group("workload")
     w.add_argument(
@@ -158,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check(args)
+        variants = _variants(args)
         workload = build_workload(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -171,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": report.machine_info(),
         "workload": {"description": description, "scaling": workload.scaling},
+        "topologies": [],
     }
     print(f"workload: {description}")
     bench = bench_interleaved if args.interleave else bench_one_by_one
-    results["topologies"] = bench(args, workload)
-    results["machine"]["loadavg_end"] = report.loadavg()
-    paths = report.write_all(results, Path(args.out), args.cdf_rate)
+    for result in bench(args, workload, variants):
+        results["topologies"].append(result)
+        results["machine"]["loadavg_end"] = report.loadavg()
+        paths = report.write_all(results, Path(args.out), args.cdf_rate)  # a cut run keeps these
     if args.save_vllm_json:
         paths["vllm_json"] = report.write_vllm_json(results, Path(args.save_vllm_json))
     print(paths["summary"].read_text(encoding="utf-8"))
@@ -187,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
 def _check(args: argparse.Namespace) -> None:
     if bool(args.url) == bool(args.topologies):
         raise ValueError("give exactly one of --url and --topologies")
+    if args.vary and args.url:
+        raise ValueError("--vary needs --topologies (it changes the configs it launches)")
     if args.gateway_overhead and args.url:
         raise ValueError("--gateway-overhead needs --topologies (it calls the Python API)")
     if args.synthetic and args.rate is None and not args.rates:
@@ -202,12 +221,27 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--interleave needs --topologies and a list of --rates (not auto)")
 
 
-def _targets(args: argparse.Namespace) -> Iterator[contextlib.AbstractContextManager[Target]]:
+def _variants(args: argparse.Namespace) -> list[Variant]:
+    """The topologies to launch (each --vary point one), their configs checked up front."""
     if args.url:
-        yield contextlib.nullcontext(url_target(args.url, args.api_key))
+        return []
+    names = [n.strip() for n in args.topologies.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--topologies names no topology")
+    variants = expand_variants(names, args.vary)
+    for variant in variants:
+        load_variant(variant, args.model)
+    return variants
+
+
+def _targets(
+    args: argparse.Namespace, variants: list[Variant]
+) -> Iterator[tuple[contextlib.AbstractContextManager[Target], Variant | None]]:
+    if args.url:
+        yield contextlib.nullcontext(url_target(args.url, args.api_key)), None
         return
-    for name in [n.strip() for n in args.topologies.split(",") if n.strip()]:
-        yield local_target(name, args.model)
+    for variant in variants:
+        yield local_target(variant, args.model), variant
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -317,28 +351,29 @@ def swept_rates(args: argparse.Namespace) -> list[float]:
     return sorted(float(r) for r in args.rates.split(","))
 
 
-def bench_one_by_one(args: argparse.Namespace, workload: Workload) -> list[dict[str, Any]]:
+def bench_one_by_one(
+    args: argparse.Namespace, workload: Workload, variants: list[Variant]
+) -> Iterator[dict[str, Any]]:
     """Each target in turn: launched, measured at every rate, shut down."""
-    out: list[dict[str, Any]] = []
     reference: Slo | None = None
-    for target_cm in _targets(args):
+    for target_cm, variant in _targets(args, variants):
         with target_cm as target:
             result = bench_target(target, args, workload, reference)
-        out.append(result)
+        yield _with_settings(result, variant)
         if args.slo_reference == "first" and reference is None and result.get("slo"):
             reference = Slo(result["slo"]["ttft_ms"], result["slo"]["tpot_ms"])
-    return out
 
 
-def bench_interleaved(args: argparse.Namespace, workload: Workload) -> list[dict[str, Any]]:
+def bench_interleaved(
+    args: argparse.Namespace, workload: Workload, variants: list[Variant]
+) -> Iterator[dict[str, Any]]:
     """--interleave: every topology is up at once (on one embedded Ray with the CPUs of them
     all) and each rate runs on each in turn, the order flipping from rate to rate (A B, B A,
     ...), so that a background load drifting on a shared machine falls on all of them alike.
     An idle topology's actors wait on their inboxes, so it costs the running one no CPU."""
-    names = [n.strip() for n in args.topologies.split(",") if n.strip()]
     with contextlib.ExitStack() as stack:
-        stack.enter_context(shared_ray(names))
-        targets = [stack.enter_context(local_target(name, args.model)) for name in names]
+        stack.enter_context(shared_ray([v.config_name for v in variants]))
+        targets = [stack.enter_context(local_target(v, args.model)) for v in variants]
         benches: list[TargetBench] = []
         reference: Slo | None = None
         for target in targets:
@@ -348,7 +383,16 @@ def bench_interleaved(args: argparse.Namespace, workload: Workload) -> list[dict
         for i, rate in enumerate(swept_rates(args) if args.rates else [None]):
             for bench in benches if i % 2 == 0 else benches[::-1]:
                 bench.measure(rate)
-        return [finish_target(bench) for bench in benches]
+        results = [finish_target(bench) for bench in benches]
+    for result, variant in zip(results, variants):
+        yield _with_settings(result, variant)
+
+
+def _with_settings(result: dict[str, Any], variant: Variant | None) -> dict[str, Any]:
+    """The result, labelled with the --vary settings its topology was launched with."""
+    if variant is not None and variant.settings:
+        result["settings"] = variant.settings
+    return result
 
 
 def run_rate(
@@ -381,6 +425,12 @@ def run_rate(
     )
     summary = summarize(outcome.results, outcome.duration_s, slo)
     print(report.run_line(target.name, actual_rate, summary) + f"   [{workload.describe()}]")
+    records = [r.to_dict() for r in outcome.results]
+    if target.cluster is not None:  # launched here: the replica's traces are at hand
+        per_request = stages.join(prepared, outcome.results, target.cluster.front.traces())
+        for record, stage_ms in zip(records, per_request):
+            record["stages_ms"] = stage_ms
+        summary["stages_ms"] = stages.summarize_stages(per_request)
     return {
         "rate_rps": actual_rate,
         "scaling": workload.scaling,
@@ -390,7 +440,7 @@ def run_rate(
         "started_unix_s": started_unix_s,
         "loadavg": {"before": load_before, "after": report.loadavg()},  # a shared machine?
         "summary": summary,
-        "requests": [r.to_dict() for r in outcome.results],
+        "requests": records,
     }
 
 

@@ -320,14 +320,14 @@ def bench_run(
 ) -> dict[str, Any]:
     """One pool on a fresh multi-node Ray cluster: warm up, SLOs, the measured run."""
     from benchmarks import bench
-    from benchmarks.targets import local_target
+    from benchmarks.targets import Variant, local_target
 
     config_path = Path(args.out) / "configs" / f"{spec.name}.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(pool_config(args, spec)), encoding="utf-8")
     nodes = {"prefill": args.max_prefill, "decode": args.max_decode}
     print(f"\n== {spec.name}: {spec.sizes} {'autoscaled' if spec.autoscale else 'fixed'} ==")
-    with multinode_ray(nodes), local_target(str(config_path), None) as target:
+    with multinode_ray(nodes), local_target(Variant(str(config_path)), None) as target:
         target.name = spec.name
         fitted = workload.fit(target.max_model_len)
         bench.warm_up(target, fitted, args.seed + 1)

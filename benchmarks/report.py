@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.metrics import vllm_result
+from benchmarks.stages import STAGES
 from benchmarks.targets import REPO_ROOT
 
 
@@ -142,6 +143,7 @@ def _topology_section(topo: dict[str, Any]) -> list[str]:
         )
     lines += ["", _TABLE_HEAD, _TABLE_RULE]
     lines += [_run_row(run) for run in topo["runs"]]
+    lines += _stage_table(topo)
     if "gateway_overhead" in topo:
         o = topo["gateway_overhead"]
         lines += [
@@ -156,9 +158,10 @@ def _topology_section(topo: dict[str, Any]) -> list[str]:
 
 _TABLE_HEAD = (
     "| rate req/s | ok/sent | SLO attain | TTFT ok | TPOT ok | TTFT p50/p90/p99 ms | "
-    "TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms | 1st ITL p50/p90/p99 ms | e2e p50/p90/p99 ms | req/s | out tok/s |"
+    "TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms | 1st ITL p50/p90/p99 ms | e2e p50/p90/p99 ms | req/s | out tok/s | "
+    "load avg 1 min |"
 )
-_TABLE_RULE = "|" + "---|" * 12
+_TABLE_RULE = "|" + "---|" * 13
 
 
 def _run_row(run: dict[str, Any]) -> str:
@@ -175,8 +178,36 @@ def _run_row(run: dict[str, Any]) -> str:
         f"| {run['rate_rps']:.3g} | {s['num_ok']}/{s['num_requests']} | {frac('attainment')} | "
         f"{frac('ttft_attainment')} | {frac('tpot_attainment')} | {pct('ttft_ms')} | "
         f"{pct('tpot_ms')} | {pct('itl_ms')} | {pct('first_itl_ms')} | {pct('e2e_ms')} | "
-        f"{_f(s['throughput_rps'], 2)} | {_f(s['output_tokens_per_s'])} |"
+        f"{_f(s['throughput_rps'], 2)} | {_f(s['output_tokens_per_s'])} | {_load(run)} |"
     )
+
+
+def _load(run: dict[str, Any]) -> str:
+    """The machine's 1-minute load average before → after the run (a shared machine?)."""
+    load = run.get("loadavg") or {}
+    before, after = load.get("before"), load.get("after")
+    return f"{before[0]} → {after[0]}" if before and after else "—"
+
+
+def _stage_table(topo: dict[str, Any]) -> list[str]:
+    """Where the time went at each rate: p50 / p90 ms of every stage (benchmarks/stages.py)
+    that some request passed; empty unless the topology was launched here."""
+    summaries = [(r["rate_rps"], r["summary"].get("stages_ms")) for r in topo["runs"]]
+    summaries = [(rate, s) for rate, s in summaries if s and s["num_traced"]]
+    if not summaries:
+        return []
+    names = [n for n in STAGES if any(n in s for _, s in summaries)]
+    lines = [
+        "",
+        "Where the time went (server-side stage times, ms p50 / p90; see benchmarks/stages.py):",
+        "",
+        "| rate req/s | traced | " + " | ".join(names) + " |",
+        "|" + "---|" * (len(names) + 2),
+    ]
+    for rate, s in summaries:
+        cells = [f"{_f(s[n]['p50'])} / {_f(s[n]['p90'])}" if n in s else "—" for n in names]
+        lines.append(f"| {rate:.3g} | {s['num_traced']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:

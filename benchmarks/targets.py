@@ -8,16 +8,18 @@ down before the next one starts.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "ray_configs"
@@ -60,22 +62,74 @@ def url_target(url: str, api_key: str | None = None) -> Target:
     return Target(url, url, card["id"], int(card.get("max_model_len") or 2048), api_key=api_key)
 
 
-@contextlib.contextmanager
-def local_target(config_name: str, model: str | None) -> Iterator[Target]:
-    """Launch the topology (model overridden when given) and serve its gateway."""
+@dataclass(frozen=True)
+class Variant:
+    """A topology to launch, with config settings changed (e.g. one point of a sweep)."""
+
+    config_name: str  # ray_configs name or YAML path
+    settings: dict[str, Any] = field(default_factory=dict)  # dotted key -> value
+
+    @property
+    def name(self) -> str:
+        changed = ",".join(f"{k}={v}" for k, v in self.settings.items())
+        return f"{self.config_name}[{changed}]" if changed else self.config_name
+
+    def overrides(self) -> dict[str, Any]:
+        """The settings as a nested mapping for `ClusterConfig.load`."""
+        out: dict[str, Any] = {}
+        for key, value in self.settings.items():
+            *parents, leaf = key.split(".")
+            node = out
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        return out
+
+
+def expand_variants(config_names: list[str], varies: list[str]) -> list[Variant]:
+    """Each topology, or one variant per combination of the values its `--vary` specs
+    (`TOPOLOGY:KEY=V1,V2,...`, KEY dotted as in the YAML, values parsed as YAML scalars)
+    give it, in the order given."""
+    values: dict[str, dict[str, list[Any]]] = {name: {} for name in config_names}
+    for spec in varies:
+        topology, _, assignment = spec.partition(":")
+        key, _, listed = assignment.partition("=")
+        if topology not in values:
+            raise ValueError(f"--vary {spec!r}: {topology!r} is not one of --topologies")
+        if not key or not listed:
+            raise ValueError(f"--vary {spec!r}: expected TOPOLOGY:KEY=V1,V2,...")
+        values[topology][key] = [yaml.safe_load(v) for v in listed.split(",")]
+    variants = []
+    for name, keyed in values.items():
+        for combo in itertools.product(*keyed.values()):
+            variants.append(Variant(name, dict(zip(keyed, combo))))
+    return variants
+
+
+def load_variant(variant: Variant, model: str | None) -> Any:
+    """The variant's validated `ClusterConfig` (model overridden when given); a clear
+    ValueError names a bad setting."""
     from cluster.config import ClusterConfig
+
+    overrides = variant.overrides()
+    if model:
+        overrides["model"] = model
+    return ClusterConfig.load(resolve_config(variant.config_name), overrides)
+
+
+@contextlib.contextmanager
+def local_target(variant: Variant, model: str | None) -> Iterator[Target]:
+    """Launch the topology (model overridden when given) and serve its gateway."""
     from cluster.launch import launch
     from cluster.serve import gateway_app
 
-    path = resolve_config(config_name)
-    config = ClusterConfig.from_yaml(path)
-    if model:
-        config = config.model_copy(update={"model": model})
+    path = resolve_config(variant.config_name)
+    config = load_variant(variant, model)
     cluster = launch(config)
     try:
         with serve_in_thread(gateway_app(cluster)) as url:
             yield Target(
-                name=config_name,
+                name=variant.name,
                 url=url,
                 model=cluster.model_name,
                 max_model_len=cluster.max_model_len,

@@ -225,6 +225,7 @@ def _idle(stats: dict[str, Any]) -> bool:
         "num_pending_recvs",
         "num_streams",
         "num_encoder_cache_refs",
+        "num_stage_clocks",
     )
     return stats.get("num_blocks_free") == stats.get("num_blocks_total") and not any(
         stats.get(k) for k in held

@@ -16,6 +16,7 @@ import yaml
 from benchmarks import bench, client, report
 from benchmarks.client import PreparedRequest, RequestResult, run_load
 from benchmarks.metrics import Slo, goodput, percentile, search_rates, summarize, vllm_result
+from benchmarks.targets import expand_variants, load_variant
 from benchmarks.workload import (
     FIRST_ORDINARY_TOKEN_ID,
     MAX_RANDOM_TOKEN_ID,
@@ -188,6 +189,44 @@ def test_sweep_without_slo_is_refused(capsys):
     assert code == 2 and "needs SLOs" in capsys.readouterr().err
 
 
+def test_vary_expands_a_topology_into_one_variant_per_combination():
+    varies = [
+        "local-mixed:engine.max_num_batched_tokens=256,512",
+        "local-mixed:mixed.num_cpus=1,0.5",
+    ]
+    variants = expand_variants(["local-1p1d", "local-mixed"], varies)
+    assert [v.name for v in variants] == [
+        "local-1p1d",
+        "local-mixed[engine.max_num_batched_tokens=256,mixed.num_cpus=1]",
+        "local-mixed[engine.max_num_batched_tokens=256,mixed.num_cpus=0.5]",
+        "local-mixed[engine.max_num_batched_tokens=512,mixed.num_cpus=1]",
+        "local-mixed[engine.max_num_batched_tokens=512,mixed.num_cpus=0.5]",
+    ]
+    assert variants[2].overrides() == {
+        "engine": {"max_num_batched_tokens": 256},
+        "mixed": {"num_cpus": 0.5},
+    }
+    config = load_variant(variants[3], "preset:small-llama")
+    assert config.engine.max_num_batched_tokens == 512 and config.model == "preset:small-llama"
+    assert config.engine_settings("mixed").max_num_batched_tokens == 512
+
+
+@pytest.mark.parametrize(
+    ("vary", "message"),
+    [
+        ("local-1p1d:engine.max_num_batched_tokens=64", "not one of --topologies"),
+        ("local-mixed:engine.max_num_batched_tokens", "expected TOPOLOGY:KEY=V1,V2"),
+        ("local-mixed:engine.max_num_batched_tokens=0", "max_num_batched_tokens"),
+        ("local-mixed:engine.no_such_setting=1", "no_such_setting"),
+    ],
+)
+def test_a_bad_vary_is_a_clear_error_before_anything_runs(capsys, vary, message):
+    argv = ["--topologies", "local-mixed", "--vary", vary, "--rates", "1"]
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
 def test_default_trace_is_the_packaged_sample_without_shared(tmp_path):
     path = bench.default_trace(tmp_path / "shared" / "traces" / "absent.csv")
     assert path == bench.PACKAGED_TRACE and path.is_file() and "shared" not in path.parts
@@ -330,15 +369,17 @@ def test_bench_smoke_two_topologies(ray_session, preset_dir, tmp_path):
     pd = _config(tmp_path, model_dir, "pd", {"prefill": 1, "decode": 1})
     mixed = _config(tmp_path, model_dir, "mixed", {"mixed": 1})
     out = tmp_path / "out"
-    argv = ["--topologies", f"{pd},{mixed}", "--synthetic", "--num-requests", "8",
+    argv = ["--topologies", f"{pd},{mixed}", "--vary", f"{mixed}:engine.max_num_batched_tokens=16",
+            "--synthetic", "--num-requests", "8",
             "--prompt-len", "24", "--output-len", "6", "--jitter", "0.5", "--rates", "4,16",
             "--slo-scale", "5,3", "--isolated-requests", "2", "--image-fraction", "0.25",
             "--gateway-overhead", "--overhead-requests", "2", "--out", str(out),
             "--max-concurrency", "6", "--save-vllm-json", str(out / "vllm.jsonl")]  # fmt: skip
     assert bench.main(argv) == 0
     vllm_runs = [json.loads(line) for line in (out / "vllm.jsonl").read_text().splitlines()]
+    mixed_16 = f"{mixed}[engine.max_num_batched_tokens=16]"
     assert [(v["label"], v["max_concurrency"], v["completed"]) for v in vllm_runs] == [
-        (name, 6, 8) for name in (pd, pd, mixed, mixed)
+        (name, 6, 8) for name in (pd, pd, mixed_16, mixed_16)
     ]
 
     results = json.loads((out / "results.json").read_text())
@@ -346,6 +387,10 @@ def test_bench_smoke_two_topologies(ray_session, preset_dir, tmp_path):
     assert results["machine"]["cpu_count"] >= 1
     topos = results["topologies"]
     assert [t["topology"] for t in topos] == ["1P1D", "1mixed"]
+    assert "settings" not in topos[0]
+    assert topos[1]["settings"] == {"engine.max_num_batched_tokens": 16}
+    _check_stages(topos[0], handoff=True)
+    _check_stages(topos[1], handoff=False)
     for topo in topos:
         assert topo["slo"] == topos[0]["slo"]  # the first topology's isolated latency sets it
         assert topo["isolated"]["ttft_ms"] > 0 and topo["isolated"]["tpot_ms"] > 0
@@ -370,6 +415,7 @@ def test_bench_smoke_two_topologies(ray_session, preset_dir, tmp_path):
     ]
     summary = (out / "summary.md").read_text()
     assert "Ratios: " in summary and "Goodput" in summary and "synthetic Poisson" in summary
+    assert summary.count("Where the time went") == 2 and "kv_wait" in summary
     for png in ("attainment_vs_rate.png", "ttft_cdf.png", "tpot_cdf.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not math.isnan(results["cdf_rate_rps"])
@@ -400,3 +446,19 @@ def test_bench_interleaved_runs_each_rate_on_each_topology_in_turn(
 def test_interleave_needs_launched_topologies_and_listed_rates(capsys):
     code = bench.main(["--url", "http://x", "--interleave", "--synthetic", "--rate", "1"])
     assert code == 2 and "--interleave needs --topologies" in capsys.readouterr().err
+
+
+def _check_stages(topo, handoff):
+    """Every text request of every run has its stage durations; a 1P1D one its handoff."""
+    for run in topo["runs"]:
+        texts = [r for r in run["requests"] if not r["has_image"]]
+        assert run["summary"]["stages_ms"]["num_traced"] == len(texts) > 0
+        for r in texts:
+            stages = r["stages_ms"]
+            for name in ("to_instance", "queue", "prefill", "to_replica", "decode"):
+                assert stages[name] >= 0, (name, stages)
+            assert stages["decode"] <= r["e2e_ms"]
+            assert (stages["kv_wait"] is not None) == handoff
+            if handoff:
+                assert stages["to_decode"] >= 0 and stages["first_decode_step"] > 0
+        assert all(r["stages_ms"] is None for r in run["requests"] if r["has_image"])
