@@ -296,6 +296,14 @@ class ChatMessage(_Body):
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier calls")
     tool_call_id: str | None = Field(None, max_length=256, description="a tool's answer to")
 
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise invalid(f"tool_calls: only an assistant message has them, not role {self.role!r}")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise invalid('tool_call_id: a message of role "tool" needs one, and only it')
+        return self
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=1024)

@@ -426,6 +426,11 @@ def test_deeply_nested_json(http, raw):
             {**chat(), "messages": [{"role": "user", "content": "x", "tool_calls": []}]},
             "tool_calls",
         ),
+        ({**chat(), "messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+        (
+            {**chat(), "messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]},
+            "tool_call_id",
+        ),
         (chat([{"type": "audio", "audio": "x"}]), "type"),
         (chat([{"text": "no type"}]), "type"),
         (chat([{"type": "text", "text": 5}]), "text"),
@@ -447,7 +452,7 @@ def test_bad_chat_structure(http, body, needle):
     expect_error(post(http, CHAT, body), 400, needle)
 
 
-@pytest.mark.parametrize("role", ["tool", "function", "", "USER", "robot"])
+@pytest.mark.parametrize("role", ["function", "", "USER", "robot"])
 def test_unknown_roles(http, role):
     body = {**chat(), "messages": [{"role": role, "content": "x"}]}
     expect_error(post(http, CHAT, body), 400, "role")
