@@ -13,6 +13,7 @@ import torch
 from engine.attention import AttentionMetadata, allocate_kv_cache
 from engine.config import CacheConfig
 from engine.models.loader import ModelInfo
+from engine.models.packed_linear import pack_linears
 from engine.outputs import NewRequestData, RunnerOutput, SchedulerOutput
 from engine.request import MultiModalFeature
 from engine.sampler import make_generator, sample
@@ -39,6 +40,8 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
+        if device.type == "cpu":
+            pack_linears(model)  # weights packed once; same results as F.linear (checked)
         self.model = model
         self.info = info
         self.device = device
