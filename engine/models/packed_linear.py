@@ -81,8 +81,8 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        destination[prefix + "weight"] = self.weight.detach()  # before the bias, as nn.Linear
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = self.weight.detach()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
