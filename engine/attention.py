@@ -233,16 +233,16 @@ def gather_kv(
 ) -> torch.Tensor:
     """K/V of this layer for each row of `block_tables` ([N, max_blocks]), keys in order.
 
-    Returns [2, N, kv_heads, max_blocks * block_size, head_dim]. One gather of whole blocks
-    along dim 0 (much cheaper than advanced indexing of the strided 6-D view), then a single
-    permute copy.
+    Returns [2, N, kv_heads, max_blocks * block_size, head_dim] (a strided view: N and
+    kv_heads are swapped in memory). The only copy is one gather of whole blocks from a
+    heads-outermost view of the layer, which already leaves each head's keys contiguous.
     """
-    num_rows = block_tables.shape[0]
-    layer_kv = kv_cache.select(1, layer_idx).index_select(0, block_tables.view(-1))
-    layer_kv = layer_kv.view(num_rows, -1, *layer_kv.shape[1:])  # [N, max_blocks, 2, bs, kvh, hd]
-    layer_kv = layer_kv.to(dtype).permute(2, 0, 4, 1, 3, 5)  # [2, N, kvh, max_blocks, bs, hd]
-    num_kv_heads, head_dim = layer_kv.shape[2], layer_kv.shape[-1]
-    return layer_kv.reshape(2, num_rows, num_kv_heads, -1, head_dim)  # [2, N, kvh, ctx, hd]
+    num_rows, max_blocks = block_tables.shape
+    by_head = kv_cache.select(1, layer_idx).permute(1, 3, 0, 2, 4)  # [2, kvh, blocks, bs, hd]
+    picked = by_head.index_select(2, block_tables.view(-1))  # [2, kvh, N * max_blocks, bs, hd]
+    num_kv_heads, block_size, head_dim = picked.shape[1], picked.shape[3], picked.shape[4]
+    ctx = picked.view(2, num_kv_heads, num_rows, max_blocks * block_size, head_dim)
+    return ctx.transpose(1, 2).to(dtype)  # [2, N, kvh, ctx, hd]
 
 
 def decode_attention(

@@ -14,6 +14,7 @@ import torch
 from engine.attention import AttentionMetadata, allocate_kv_cache
 from engine.config import CacheConfig
 from engine.models.loader import ModelInfo
+from engine.models.packed_linear import pack_linears
 from engine.outputs import NewRequestData, RunnerOutput, SchedulerOutput, TopLogprobs
 from engine.penalties import LogitBias, LogitsAdjustments, TokenCounts
 from engine.request import MultiModalFeature
@@ -44,6 +45,8 @@ class ModelRunner:
         dtype: torch.dtype,
         grammars: GrammarCompiler,
     ) -> None:
+        if device.type == "cpu":
+            pack_linears(model)  # weights packed once; same results as F.linear (checked)
         self.model = model
         self.grammars = grammars
         self.info = info
