@@ -45,7 +45,9 @@ class PackedLinear(nn.Module):
         self, packed: torch.Tensor, bias: nn.Parameter | None, dense: torch.Tensor | None
     ) -> None:
         super().__init__()
-        self.packed = packed  # opaque oneDNN tensor [out, in]; not a parameter or buffer
+        # Opaque oneDNN tensor [out, in]: a buffer so that memory accounting (module_bytes)
+        # sees it, left out of state_dict (which gives the dense weight, see below).
+        self.register_buffer("packed", packed, persistent=False)
         self.in_features, self.out_features = packed.shape[1], packed.shape[0]
         self.bias = bias
         # Kept only when another module owns it (its parameter there, a plain tensor here).
