@@ -57,3 +57,21 @@ def reference(model_dir):
 
     llm = LLM(model_dir, **SMALL_ENGINE)
     return lambda prompt, params=GREEDY: llm.generate(prompt, params)[0]
+
+
+@pytest.fixture(scope="module")
+def base_url(cluster):
+    """The module's `cluster` (each gateway test module defines one) served over HTTP on a
+    loopback port."""
+    from cluster.serve import gateway_app
+    from tests.gateway_utils import running
+
+    with running(gateway_app(cluster)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    """An unmodified openai client on `base_url`."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")

@@ -10,7 +10,6 @@ import pytest
 
 from cluster.config import GatewaySettings
 from cluster.gateway import create_app
-from cluster.serve import gateway_app
 from engine import LLM, SamplingParams
 from tests.cluster_utils import SMALL_ENGINE, assert_clean, live_object_ids, random_image, start
 from tests.gateway_utils import data_url, running
@@ -27,17 +26,6 @@ def cluster(ray_session, model_dir):
     gateway = {"served_model_name": MODEL}
     with start(model_dir, encoder=1, prefill=1, decode=1, gateway=gateway) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def base_url(cluster):
-    with running(gateway_app(cluster)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,8 @@ import httpx
 import pytest
 
 from cluster.protocol import MAX_N
-from cluster.serve import gateway_app
 from tests.cluster_utils import assert_clean, live_object_ids, random_image, start
-from tests.gateway_utils import data_url, running
+from tests.gateway_utils import data_url
 
 openai = pytest.importorskip("openai")
 
@@ -26,17 +25,6 @@ def cluster(ray_session, model_dir):
     gateway = {"served_model_name": MODEL}
     with start(model_dir, encoder=1, prefill=1, decode=1, gateway=gateway) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def base_url(cluster):
-    with running(gateway_app(cluster)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
 
 
 def streamed(chunks, field) -> tuple[dict[int, str], dict[int, str], object]:

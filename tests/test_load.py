@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import pytest
 
-from cluster.serve import gateway_app
 from engine import LLM, SamplingParams
 from tests.cluster_utils import (
     SMALL_ENGINE,
@@ -22,7 +21,6 @@ from tests.cluster_utils import (
     live_object_ids,
     start,
 )
-from tests.gateway_utils import running
 
 MODEL = "tiny-llava"
 NUM_CLIENTS = 64
@@ -48,12 +46,6 @@ def cluster(ray_session, model_dir):
     gateway = {"served_model_name": MODEL}
     with start(model_dir, prefill=1, decode=1, gateway=gateway) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def base_url(cluster):
-    with running(gateway_app(cluster)) as url:
-        yield url
 
 
 # ---- clients ---------------------------------------------------------------------------------

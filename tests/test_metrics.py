@@ -14,10 +14,8 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import token_buckets
-from cluster.serve import gateway_app
 from engine import SamplingParams
 from tests.cluster_utils import assert_clean, handle, live_object_ids, start, wait_until
-from tests.gateway_utils import running
 
 MODEL = "metrics-model"
 NO_EOS = {"ignore_eos": True}
@@ -29,12 +27,6 @@ RAY_EXPORT_TIMEOUT_S = 60.0  # Ray's agent exports what workers recorded every f
 def cluster(ray_session, model_dir):
     with start(model_dir, prefill=1, decode=1, gateway={"served_model_name": MODEL}) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def base_url(cluster):
-    with running(gateway_app(cluster)) as url:
-        yield url
 
 
 @pytest.fixture

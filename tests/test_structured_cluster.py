@@ -42,17 +42,6 @@ def cluster(request, ray_session, tools_model_dir):
         yield c
 
 
-@pytest.fixture(scope="module")
-def base_url(cluster):
-    with running(gateway_app(cluster)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
-
-
 @pytest.fixture
 def clean(cluster):
     baseline = live_object_ids()
