@@ -10,39 +10,14 @@ it starts its own Ray cluster, so it must not run inside a Ray driver.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 from typing import Any
 
-from benchmarks.targets import keep_current_cluster_record
+from tests.multinode_check import run_check  # also sets the loopback-cluster environment
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only local cluster
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-
-STORE_BYTES = 100 * 1024 * 1024  # per node
 GATEWAY_RESOURCE = "pdcluster_gateway"
 GATEWAY_SLOTS = 4  # replicas the worker holds: 2 Serve replicas and 2 `gateway.replicas`
 POOL = "placement-check"
-
-
-def start_ray_cluster():
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "object_store_memory": STORE_BYTES,
-        },
-    )
-    cluster.add_node(
-        num_cpus=1, resources={GATEWAY_RESOURCE: GATEWAY_SLOTS}, object_store_memory=STORE_BYTES
-    )
-    cluster.wait_for_nodes()
-    return cluster
 
 
 def actor_nodes(class_suffix: str) -> list[str]:
@@ -120,24 +95,5 @@ def check(model_dir: str, address: str) -> dict[str, Any]:
     return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", required=True, help="checkpoint folder")
-    args = parser.parse_args()
-    import ray
-
-    cluster = None
-    with keep_current_cluster_record():
-        try:
-            cluster = start_ray_cluster()
-            result = check(args.model, cluster.address)
-        finally:
-            ray.shutdown()
-            if cluster is not None:
-                cluster.shutdown()
-    print(json.dumps(result))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_check(__doc__, check, [{GATEWAY_RESOURCE: GATEWAY_SLOTS}]))

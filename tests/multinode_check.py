@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks.targets import keep_current_cluster_record
@@ -24,21 +25,21 @@ ROLES = ("encoder", "prefill", "decode")
 STORE_BYTES = 100 * 1024 * 1024  # per node
 
 
-def start_ray_cluster():
+def start_ray_cluster(workers: list[dict[str, float]]):
+    """A head with no CPUs (nothing of the topology runs there) and one 1-CPU worker node
+    per entry of `workers`, declaring those custom resources."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
-            "num_cpus": 0,  # nothing of the topology runs on the head
+            "num_cpus": 0,
             "include_dashboard": False,
             "object_store_memory": STORE_BYTES,
         },
     )
-    for role in ROLES:
-        cluster.add_node(
-            num_cpus=1, resources={f"pdcluster_{role}": 1}, object_store_memory=STORE_BYTES
-        )
+    for resources in workers:
+        cluster.add_node(num_cpus=1, resources=resources, object_store_memory=STORE_BYTES)
     cluster.wait_for_nodes()
     return cluster
 
@@ -79,8 +80,14 @@ def serve(model_dir: str, address: str) -> dict[str, Any]:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def run_check(
+    description: str,
+    check: Callable[[str, str], dict[str, Any]],
+    workers: list[dict[str, float]],
+) -> int:
+    """A check script's main: start the cluster, run `check(model_dir, address)` on it, shut
+    it down, print the result as one JSON object."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True, help="checkpoint folder")
     args = parser.parse_args()
     import ray
@@ -88,8 +95,8 @@ def main() -> int:
     cluster = None
     with keep_current_cluster_record():
         try:
-            cluster = start_ray_cluster()
-            result = serve(args.model, cluster.address)
+            cluster = start_ray_cluster(workers)
+            result = check(args.model, cluster.address)
         finally:
             ray.shutdown()
             if cluster is not None:
@@ -99,4 +106,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_check(__doc__, serve, [{f"pdcluster_{role}": 1} for role in ROLES]))
