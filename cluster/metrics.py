@@ -171,54 +171,56 @@ class GatewayMetrics:
         labels = ["model_name"]
 
         def histogram(name: str, help_text: str, buckets: Iterable[float]) -> Histogram:
-            return Histogram(name, help_text, labels, buckets=tuple(buckets), registry=r)
+            """The model's series of a new histogram."""
+            family = Histogram(name, help_text, labels, buckets=tuple(buckets), registry=r)
+            return family.labels(model_name)
 
         def counter(name: str, help_text: str) -> Counter:
-            return Counter(name, help_text, labels, registry=r)
+            """The model's series of a new counter."""
+            return Counter(name, help_text, labels, registry=r).labels(model_name)
 
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS_S
-        ).labels(model_name)
+        )
         self.itl = histogram(
             "vllm:inter_token_latency_seconds", "Time between two tokens", ITL_BUCKETS_S
-        ).labels(model_name)
+        )
         self.tpot = histogram(
             "vllm:time_per_output_token_seconds",
             "Per request: decode time over the tokens after the first",
             ITL_BUCKETS_S,
-        ).labels(model_name)
+        )
         self.e2e = histogram(
-            "vllm:e2e_request_latency_seconds", "Request latency (aborted ones included)",
+            "vllm:e2e_request_latency_seconds",
+            "Request latency (aborted ones included)",
             REQUEST_BUCKETS_S,
-        ).labels(model_name)  # fmt: skip
+        )
         self.queue = histogram(
             "vllm:request_queue_time_seconds",
             "Time the request waited on its first instance before it was scheduled",
             REQUEST_BUCKETS_S,
-        ).labels(model_name)
+        )
         self.prefill = histogram(
             "vllm:request_prefill_time_seconds",
             "Time to first token less the queue time",
             REQUEST_BUCKETS_S,
-        ).labels(model_name)
+        )
         self.decode = histogram(
             "vllm:request_decode_time_seconds",
             "Time from the first token to the last",
             REQUEST_BUCKETS_S,
-        ).labels(model_name)
+        )
         tokens = token_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Prompt tokens per finished request", tokens
-        ).labels(model_name)
+        )
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Generated tokens per finished request", tokens
-        ).labels(model_name)
+        )
         self.prompt_tokens = counter(
             "vllm:prompt_tokens", "Prompt tokens of requests that got a first token"
-        ).labels(model_name)
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated").labels(
-            model_name
         )
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
         success = Counter(
             "vllm:request_success",
             "Finished requests by finish reason (abort: the client went away)",
