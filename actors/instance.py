@@ -92,7 +92,7 @@ def build_core(
 
 
 class InstanceActor:
-    """Wrap with `ray.remote(InstanceActor)`; see actors/launch helpers in cluster/launch.py."""
+    """Wrap with `ray.remote(InstanceActor)`; see actors/launch helpers in cluster/control/launch.py."""
 
     def __init__(self, spec: InstanceSpec) -> None:
         logging.basicConfig(level=logging.INFO)

@@ -43,7 +43,6 @@ from benchmarks.client import (
 )
 from benchmarks.metrics import Slo, goodput, search_rates, summarize
 from benchmarks.targets import (
-    REPO_ROOT,
     Target,
     Variant,
     expand_variants,
@@ -57,6 +56,7 @@ from benchmarks.workload import (
     LengthScaling,
     RequestSpec,
     Workload,
+    default_trace,
     request_body,
     synthetic_workload,
     token_prompt,
@@ -64,15 +64,7 @@ from benchmarks.workload import (
     with_images,
 )
 
-SHARED_TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
-PACKAGED_TRACE = Path(__file__).resolve().parent / "data" / "azure_llm_2023_conv_sample.csv"
 NUM_WARMUP = 2
-
-
-def default_trace(shared: Path = SHARED_TRACE) -> Path:
-    """The full Azure conv trace where a checkout has it next to it, else the packaged
-    2,000-request sample (benchmarks/data/README.md), which every install has."""
-    return shared if shared.is_file() else PACKAGED_TRACE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,10 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--elastic" in argv:
-        from benchmarks import elastic
-
-        return elastic.main([a for a in argv if a != "--elastic"])
     args = build_parser().parse_args(argv)
     try:
         _check(args)

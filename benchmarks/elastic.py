@@ -465,7 +465,7 @@ def write_all(results: dict[str, Any], steps: tuple[RateStep, ...], out: Path) -
 
 # ---- command line -----------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks.bench import default_trace
+    from benchmarks.workload import default_trace
 
     p = argparse.ArgumentParser(prog="pdcluster bench --elastic", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip

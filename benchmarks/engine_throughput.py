@@ -5,7 +5,7 @@ Three workloads, each measured side by side (ours, then transformers, alternatin
 
 - equal: --num-prompts prompts of exactly --prompt-len tokens, --output-len tokens each;
 - conversation: --conv-requests consecutive requests of the Azure conversation trace
-  (`bench.default_trace`: the full trace where ../shared has it, else the packaged sample),
+  (`workload.default_trace`: the full trace where ../shared has it, else the packaged sample),
   lengths x--conv-token-scale, clamped to [4, --conv-max-prompt-len] and [2, --conv-max-output-len];
 - prefill-heavy: --prefill-requests prompts of --prefill-prompt-len +-50% tokens (fixed seed),
   --prefill-output-len tokens each.
@@ -41,9 +41,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench import default_trace
 from benchmarks.report import loadavg, machine_info
-from benchmarks.workload import LengthScaling, trace_workload
+from benchmarks.workload import LengthScaling, default_trace, trace_workload
 from engine import LLM, SamplingParams
 from engine.models.gguf import GGUF_WEIGHTS
 from engine.presets import PAD_TOKEN_ID, default_model_dir, resolve_model_dir

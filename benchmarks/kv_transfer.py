@@ -17,7 +17,7 @@ Usage:
     python -m benchmarks.kv_transfer --multinode         # also across two raylets
     python -m benchmarks.kv_transfer --prealloc off      # plasma memory touched lazily
 
-The single-node run starts Ray through the product's launcher (`cluster.launch.init_ray`), so
+The single-node run starts Ray through the product's launcher (`cluster.control.launch.init_ray`), so
 it measures the plasma settings the product runs with unless --prealloc overrides them.
 """
 
@@ -254,7 +254,7 @@ def start_ray(args, multinode: bool):
     import ray
 
     from cluster.config import RaySettings
-    from cluster.launch import init_ray
+    from cluster.control.launch import init_ray
 
     store_bytes = int(max(args.sizes_mb) * 2**20 * 2.5) + (256 << 20)
     if not multinode:

@@ -33,7 +33,9 @@ class Target:
     max_model_len: int
     topology: str | None = None  # e.g. 1P1D, when known
     config_path: str | None = None
-    cluster: Any = None  # cluster.launch.Cluster for a launched topology (Python API access)
+    cluster: Any = (
+        None  # cluster.control.launch.Cluster for a launched topology (Python API access)
+    )
     api_key: str | None = None
 
 
@@ -120,8 +122,8 @@ def load_variant(variant: Variant, model: str | None) -> Any:
 @contextlib.contextmanager
 def local_target(variant: Variant, model: str | None) -> Iterator[Target]:
     """Launch the topology (model overridden when given) and serve its gateway."""
-    from cluster.launch import launch
-    from cluster.serve import gateway_app
+    from cluster.control.launch import launch
+    from cluster.replicas import gateway_app
 
     path = resolve_config(variant.config_name)
     config = load_variant(variant, model)
@@ -148,7 +150,7 @@ def shared_ray(config_names: list[str]) -> Iterator[None]:
     import ray
 
     from cluster.config import ClusterConfig, RaySettings
-    from cluster.launch import init_ray
+    from cluster.control.launch import init_ray
 
     configs = [ClusterConfig.from_yaml(resolve_config(name)) for name in config_names]
     num_cpus = sum(c.ray.num_cpus or 0 for c in configs) or None

@@ -25,8 +25,17 @@ from PIL import Image
 
 FIRST_ORDINARY_TOKEN_ID = 6  # the presets' special tokens sit below this id
 MAX_RANDOM_TOKEN_ID = 1000  # valid in any vocabulary of at least 1000 tokens
+HERE = Path(__file__).resolve().parent
+SHARED_TRACE = HERE.parents[1] / "shared" / "traces" / "azure_llm_2023_conv.csv"
+PACKAGED_TRACE = HERE / "data" / "azure_llm_2023_conv_sample.csv"
 # Common English words: about one token each in the presets' tokenizer (chat prompts are text).
 _WORDS = ("the", "a", "and", "of", "to", "in", "is", "it", "that", "for", "on", "with", "as")
+
+
+def default_trace(shared: Path = SHARED_TRACE) -> Path:
+    """The full Azure conv trace where a checkout has it next to it, else the packaged
+    2,000-request sample (benchmarks/data/README.md), which every install has."""
+    return shared if shared.is_file() else PACKAGED_TRACE
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ def _scale_on_ray(
     import ray
 
     from cluster.config import RaySettings
-    from cluster.launch import init_ray
+    from cluster.control.launch import init_ray
 
     init_ray(RaySettings(address=address, namespace=namespace))
     controllers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -272,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         from cluster.job import main as job_main
 
         return job_main(argv[1:])
+    if argv[:1] == ["bench"] and "--elastic" in argv:  # elastic vs fixed pools (its own parser)
+        from benchmarks.elastic import main as elastic_main
+
+        return elastic_main([a for a in argv[1:] if a != "--elastic"])
     if argv[:1] == ["bench"]:  # the benchmark has its own parser (and --help)
         from benchmarks.bench import main as bench_main
 

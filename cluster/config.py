@@ -260,7 +260,7 @@ class DecodeAutoscale(_RoleAutoscale):
 
 
 class AutoscaleSettings(_Strict):
-    """SLO-driven autoscaling of prefill and decode, each independently (cluster/planner.py).
+    """SLO-driven autoscaling of prefill and decode, each independently (cluster/control/planner.py).
 
     A role's configured `count` is its starting size and must lie within its [min, max]."""
 

@@ -40,7 +40,7 @@ from engine.processor import PromptType
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from cluster.launch import Cluster
+    from cluster.control.launch import Cluster
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens")
@@ -380,7 +380,7 @@ def _positive_int(text: str) -> int:
 
 def load_config(path: str, address: str | None) -> ClusterConfig:
     """The topology config, joined to `address` when given (else the config's address, else
-    RAY_ADDRESS as `ray job submit` sets it: see cluster.launch.init_ray)."""
+    RAY_ADDRESS as `ray job submit` sets it: see cluster.control.launch.init_ray)."""
     config = ClusterConfig.from_yaml(path)
     if not address:
         return config
@@ -426,7 +426,7 @@ def _run_job(
 ) -> None:
     import ray
 
-    from cluster.launch import launch  # Ray is imported only once there is work to do
+    from cluster.control.launch import launch  # Ray is imported only once there is work to do
 
     try:
         cluster = launch(config)

@@ -15,9 +15,12 @@ from typing import Any
 
 import ray
 import uvicorn
+from fastapi import FastAPI
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster.api.app import create_app
 from cluster.config import ClusterConfig, GatewaySettings
+from cluster.control.launch import Cluster, launch
 
 
 def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -42,6 +45,11 @@ def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
+def gateway_app(cluster: Cluster) -> FastAPI:
+    """The OpenAI API over `cluster` (one replica's client of the pool)."""
+    return create_app(cluster, cluster.config.gateway, cluster.model_name, cluster.max_model_len)
+
+
 def uvicorn_server(app: Any) -> uvicorn.Server:
     return uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
 
@@ -50,9 +58,6 @@ class GatewayReplica:
     """Wrap with `ray.remote(GatewayReplica)`: one more replica of a running gateway."""
 
     def __init__(self, config: dict[str, Any], pool: str, host: str, port: int) -> None:
-        from cluster.launch import launch
-        from cluster.serve import gateway_app
-
         self.cluster = launch(ClusterConfig.model_validate(config), pool=pool)
         self.server = uvicorn_server(gateway_app(self.cluster))
         self.sock = listen(host, port, reuse_port=True)

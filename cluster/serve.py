@@ -9,19 +9,13 @@ import signal
 from types import FrameType
 
 import ray
-from fastapi import FastAPI
 
 from cluster.config import ClusterConfig
-from cluster.gateway import create_app
-from cluster.launch import Cluster, launch
-from cluster.replicas import listen, start_replicas, uvicorn_server
+from cluster.control.launch import Cluster, launch
+from cluster.replicas import gateway_app, listen, start_replicas, uvicorn_server
 from engine.kv_budget import GiB
 
 logger = logging.getLogger(__name__)
-
-
-def gateway_app(cluster: Cluster) -> FastAPI:
-    return create_app(cluster, cluster.config.gateway, cluster.model_name, cluster.max_model_len)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -52,9 +46,10 @@ def serve(config: ClusterConfig) -> None:
             stop_on_sigterm()
             _log_instances(cluster)
             replicas = start_replicas(config, cluster.pool, host, port, settings.replicas - 1)
+            replicas_word = "replica" if settings.replicas == 1 else "replicas"
             logger.info(
-                "serving %r on http://%s:%d/v1 (%d gateway replicas)",
-                cluster.model_name, host, port, settings.replicas,
+                "serving %r on http://%s:%d/v1 (%d gateway %s)",
+                cluster.model_name, host, port, settings.replicas, replicas_word,
             )  # fmt: skip
             uvicorn_server(gateway_app(cluster)).run(sockets=[sock])
         except KeyboardInterrupt:

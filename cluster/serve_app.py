@@ -42,8 +42,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     pool = args.get("pool", DEFAULT_POOL)
 
     def build_gateway():
-        from cluster.launch import launch
-        from cluster.serve import gateway_app
+        from cluster.control.launch import launch
+        from cluster.replicas import gateway_app
 
         return gateway_app(launch(config, pool=pool, detached=True))
 

@@ -22,11 +22,11 @@ except PackageNotFoundError:  # a source tree on PYTHONPATH, never installed
 
 # public name -> module that defines it
 _EXPORTS = {
-    "Cluster": "cluster.launch",
+    "Cluster": "cluster.control.launch",
     "ClusterConfig": "cluster.config",
     "LLM": "engine",
     "SamplingParams": "engine",
-    "launch": "cluster.launch",
+    "launch": "cluster.control.launch",
 }
 
 __all__ = ["__version__", *_EXPORTS]

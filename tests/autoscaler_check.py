@@ -172,7 +172,7 @@ def connect(address: str) -> float:
 def serve(model_dir: str) -> dict[str, Any]:
     """Serve on 1P1D, scale decode to 2 (a node is added) and back to 1 (it idles out)."""
     from cluster.config import ClusterConfig
-    from cluster.launch import launch
+    from cluster.control.launch import launch
     from tests.cluster_utils import GREEDY, SMALL_ENGINE
 
     roles = {

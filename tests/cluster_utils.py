@@ -15,7 +15,7 @@ from PIL import Image
 
 from actors.front import pull_object_ids
 from cluster.config import ClusterConfig
-from cluster.launch import Cluster, launch
+from cluster.control.launch import Cluster, launch
 from engine import SamplingParams
 from engine.llm import RequestOutput, merge_output, new_request_output
 from engine.request import Request

@@ -63,7 +63,7 @@ def reference(model_dir):
 def base_url(cluster):
     """The module's `cluster` (each gateway test module defines one) served over HTTP on a
     loopback port."""
-    from cluster.serve import gateway_app
+    from cluster.replicas import gateway_app
     from tests.gateway_utils import running
 
     with running(gateway_app(cluster)) as url:

@@ -51,7 +51,7 @@ def check(model_dir: str, address: str) -> dict[str, Any]:
     from ray import serve
 
     from cluster.config import ClusterConfig, GatewaySettings
-    from cluster.launch import HEAD_RESOURCE, shutdown_pool
+    from cluster.control.launch import HEAD_RESOURCE, shutdown_pool
     from cluster.replicas import replica_node, start_replicas
     from cluster.serve_app import build_app
     from tests.cluster_utils import SMALL_ENGINE, wait_until

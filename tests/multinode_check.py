@@ -48,7 +48,7 @@ def serve(model_dir: str, address: str) -> dict[str, Any]:
     import ray
 
     from cluster.config import ClusterConfig
-    from cluster.launch import launch
+    from cluster.control.launch import launch
     from engine import LLM
     from tests.cluster_utils import GREEDY, SMALL_ENGINE, mixed_prompts
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks import bench, client, report
+from benchmarks import bench, client, report, workload
 from benchmarks.client import PreparedRequest, RequestResult, run_load
 from benchmarks.metrics import Slo, goodput, percentile, search_rates, summarize, vllm_result
 from benchmarks.targets import expand_variants, load_variant
@@ -228,13 +228,13 @@ def test_a_bad_vary_is_a_clear_error_before_anything_runs(capsys, vary, message)
 
 
 def test_default_trace_is_the_packaged_sample_without_shared(tmp_path):
-    path = bench.default_trace(tmp_path / "shared" / "traces" / "absent.csv")
-    assert path == bench.PACKAGED_TRACE and path.is_file() and "shared" not in path.parts
+    path = workload.default_trace(tmp_path / "shared" / "traces" / "absent.csv")
+    assert path == workload.PACKAGED_TRACE and path.is_file() and "shared" not in path.parts
     rows = load_trace(path)
     assert len(rows) == 2000 and rows[0].prompt_len == 374  # the full trace's first rows
     shared = tmp_path / "full.csv"
     shared.write_text(TRACE)
-    assert bench.default_trace(shared) == shared
+    assert workload.default_trace(shared) == shared
 
 
 def _fake_gateway(monkeypatch, chunk_delay_s, num_tokens=3):

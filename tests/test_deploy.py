@@ -24,8 +24,8 @@ import jsonschema
 import pytest
 import yaml
 
+from cluster.api.metrics import GatewayMetrics
 from cluster.config import ClusterConfig
-from cluster.metrics import GatewayMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 CRD_DIR = REPO.parent / "shared" / "kuberay-crds"

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import ray
 
-from cluster.launch import launch
+from cluster.control.launch import launch
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,
@@ -175,7 +175,7 @@ def test_scale_through_the_gateway_and_the_cli(ray_session, model_dir, capsys):
     import httpx
 
     from cluster.cli import main
-    from cluster.serve import gateway_app
+    from cluster.replicas import gateway_app
     from tests.gateway_utils import running
 
     key = "sekret"

@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cluster.api.app import create_app
 from cluster.config import GatewaySettings
-from cluster.gateway import create_app
 from engine import LLM, SamplingParams
 from tests.cluster_utils import SMALL_ENGINE, assert_clean, live_object_ids, random_image, start
 from tests.gateway_utils import data_url, running

@@ -20,9 +20,9 @@ import httpx
 import pytest
 from PIL import Image
 
+from cluster.api.app import create_app
 from cluster.config import GatewaySettings
-from cluster.gateway import create_app
-from cluster.serve import gateway_app
+from cluster.replicas import gateway_app
 from tests.cluster_utils import assert_clean, live_object_ids, random_image, start
 from tests.gateway_utils import data_url, running
 

@@ -189,7 +189,7 @@ def test_job_matches_engine_resumes_and_reports_bad_lines(
     def no_launch(config):
         raise AssertionError("nothing left to do: no cluster should start")
 
-    monkeypatch.setattr("cluster.launch.launch", no_launch)
+    monkeypatch.setattr("cluster.control.launch.launch", no_launch)
     assert job.main(args) == 0
     assert read_results(out) == results
 

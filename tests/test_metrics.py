@@ -13,7 +13,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import token_buckets
+from cluster.api.metrics import token_buckets
 from engine import SamplingParams
 from tests.cluster_utils import assert_clean, handle, live_object_ids, start, wait_until
 

@@ -10,9 +10,8 @@ import dataclasses
 import httpx
 import ray
 
-from cluster.launch import launch
-from cluster.replicas import start_replicas
-from cluster.serve import gateway_app
+from cluster.control.launch import launch
+from cluster.replicas import gateway_app, start_replicas
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,

@@ -22,7 +22,7 @@ CONFIG = {
 def test_serve_app_replicas_share_one_pool(ray_session, preset_dir, tmp_path, inline):
     from ray import serve
 
-    from cluster.launch import shutdown_pool
+    from cluster.control.launch import shutdown_pool
     from cluster.serve_app import build_app
 
     config = {**CONFIG, "model": preset_dir("tiny-llava")}

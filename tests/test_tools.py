@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from cluster.protocol import ChatCompletionRequest
-from cluster.tools import forced_call_schema, parse_tool_calls
+from cluster.api.protocol import ChatCompletionRequest
+from cluster.api.tools import forced_call_schema, parse_tool_calls
 from engine.presets import chat_template
 from engine.tokenizer import chat_template_takes_tools, compile_chat_template
 

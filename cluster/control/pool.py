@@ -5,9 +5,11 @@ membership when they start and poll it for instances that join or leave; no requ
 calls it. It launches the pool, adds instances of a role and drains them away at run time
 (`scale`), and runs the autoscaling planner when the config has an `autoscale:` section.
 
-Every instance is a detached actor in a placement group of its own, so the pool survives a
-restart of its controller (membership is kept in Ray's GCS key-value store too), and an
-instance whose resources are not free waits for Ray's autoscaler to add a node. Removal
+Every instance is a detached, restartable actor (Ray restarts one whose process died, under
+its name), so the pool survives a restart of its controller (membership is kept in Ray's
+GCS key-value store too), and an instance whose resources are not free is a pending actor
+whose demand makes Ray's autoscaler add a node. Instances are not put in placement groups:
+Ray kills an actor with its group and cannot restart it there. Removal
 drains: the instance stops being offered new requests, finishes what it holds (including KV
 held for a D until acked or leased), then leaves the membership and exits.
 """
@@ -24,12 +26,10 @@ from typing import Any
 
 import ray
 from ray.experimental import internal_kv
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.instance import InstanceActor, InstanceSpec
 from cluster.config import ROLES, ClusterConfig
-from cluster.planner import Planner, signals_from_stats
+from cluster.control.planner import Planner, signals_from_stats
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,6 @@ class PoolController:
         raw = internal_kv._internal_kv_get(self._key)
         self._members: dict[str, str] = json.loads(raw) if raw else {}
         self._handles: dict[str, ray.actor.ActorHandle] = {}  # instance id -> its actor
-        self._groups: dict[str, PlacementGroup] = {}  # instance id -> its placement group
         self._next_index: Counter[str] = Counter()
         for iid, role in self._members.items():
             index = int(iid.rsplit("-", 1)[1])
@@ -152,8 +151,7 @@ class PoolController:
         logger.info("pool %s is up: %s", self.pool, self.config.topology_name())
 
     async def _add(self, role: str, count: int) -> None:
-        """Start `count` instances of `role` (each in its own placement group) and admit them
-        once they answer."""
+        """Start `count` instances of `role` and admit them once they answer."""
         started = []
         for _ in range(count):
             iid = f"{self.pool}-{role}-{self._next_index[role]}"
@@ -169,7 +167,7 @@ class PoolController:
                 self._kill(iid)
             raise PlacementTimeout(
                 f"no room for {count} more {role} instance(s) within {READY_TIMEOUT_S:.0f} s: "
-                f"each needs {self._bundle(role)}; free now: {_free_resources()} (add nodes, "
+                f"each needs {self._demand(role)}; free now: {_free_resources()} (add nodes, "
                 "let an autoscaler add them, or ask for fewer resources per instance)"
             ) from None
         except BaseException:
@@ -181,16 +179,14 @@ class PoolController:
             logger.info("instance %s (%s) joined pool %s", iid, role, self.pool)
         self._save()
 
-    def _bundle(self, role: str) -> dict[str, float]:
+    def _demand(self, role: str) -> dict[str, float]:
+        """The resources one instance of `role` asks Ray for."""
         spec = self.config.role(role)
-        bundle = {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **spec.resources}
-        return {k: v for k, v in bundle.items() if v} or {"CPU": 0.01}
+        demand = {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **spec.resources}
+        return {k: v for k, v in demand.items() if v}
 
     def _start(self, role: str, iid: str) -> ray.actor.ActorHandle:
         spec = self.config.role(role)
-        pg = self._groups[iid] = placement_group(
-            [self._bundle(role)], name=iid, lifetime="detached"
-        )
         instance = InstanceSpec(
             instance_id=iid,
             role=role,
@@ -208,7 +204,6 @@ class PoolController:
                 num_cpus=spec.num_cpus,
                 num_gpus=spec.num_gpus,
                 resources=dict(spec.resources),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
                 max_concurrency=100_000,
                 max_restarts=3,
                 lifetime="detached",  # fate-shares with no process: the pool outlives them
@@ -282,9 +277,6 @@ class PoolController:
         self._handles.pop(instance_id, None)
         if handle is not None:
             ray.kill(handle, no_restart=True)
-        pg = self._groups.pop(instance_id, None)
-        with contextlib.suppress(ValueError):  # no group by that name
-            remove_placement_group(pg or ray.util.get_placement_group(instance_id))
 
     def _get_lock(self) -> asyncio.Lock:
         if self._lock is None:

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from cluster.api.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 

@@ -25,7 +25,7 @@ import ray
 
 from actors.front import STATS_TIMEOUT_S, Front
 from cluster.config import ClusterConfig, RaySettings
-from cluster.pool import READY_TIMEOUT_S, PlacementTimeout, PoolController
+from cluster.control.pool import READY_TIMEOUT_S, PlacementTimeout, PoolController
 from engine.llm import RequestOutput, merge_output, new_request_output
 from engine.models.loader import read_model_info
 from engine.outputs import EngineCoreOutput
@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "preset:tiny-llava"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
+TASK_EVENTS_FLUSH_MS = 100
 
 
 class Cluster:
@@ -172,7 +173,7 @@ class Cluster:
 
     async def scale(self, role: str, count: int) -> dict[str, str]:
         """Add instances of `role` or drain some away until it has `count` (see
-        cluster/pool.py); returns the members. ValueError for a count that cannot be."""
+        cluster/control/pool.py); returns the members. ValueError for a count that cannot be."""
         try:
             return await self.controller.scale.remote(role, count)
         except ray.exceptions.RayTaskError as exc:
@@ -262,6 +263,10 @@ def init_ray(settings: RaySettings) -> bool:
             include_dashboard=False,  # never expose the dashboard from an embedded cluster
             num_cpus=settings.num_cpus,
             object_store_memory=settings.object_store_memory,
+            # On the way out the driver flushes task events to the GCS, waiting up to 5 s
+            # for one already gone (SIGTERM to the process group reaches it first): an
+            # embedded cluster's events die with it anyway.
+            _system_config={"task_events_shutdown_flush_timeout_ms": TASK_EVENTS_FLUSH_MS},
         )
         logger.info("Ray is up (embedded, %s CPUs)", ray.cluster_resources().get("CPU"))
         return True

@@ -1,0 +1,184 @@
+"""The OpenAI-compatible REST gateway (FastAPI) in front of a running pdcluster: the app,
+its routes and the cluster views; each generating endpoint lives in a module of its own.
+
+Every client mistake is a 4xx with an OpenAI-shaped error body; a client that goes away
+aborts its request on every instance that holds state for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.api.chat import Chat
+from cluster.api.completions import Completions
+from cluster.api.errors import APIError
+from cluster.api.guard import Guard
+from cluster.api.metrics import GatewayMetrics
+from cluster.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ScaleRequest,
+    TokenizeRequest,
+)
+from cluster.api.serving import ClusterClient, Serving
+from cluster.api.tokens import detokenize, tokenize
+from cluster.config import GatewaySettings
+from pdcluster import __version__
+
+CLUSTER_VIEW_TIMEOUT_S = 1.0  # /v1/cluster and /metrics: an instance slower than this is
+# reported unreachable (one restarting would otherwise hold every call for seconds)
+COMPONENTS = "#/components/schemas/"
+
+
+def create_app(
+    cluster: ClusterClient, settings: GatewaySettings, model_name: str, max_model_len: int
+) -> FastAPI:
+    app = FastAPI(title="pdcluster", version="0.1.0")
+    metrics = GatewayMetrics(model_name, max_model_len)
+    serving = Serving(cluster, settings, model_name, max_model_len, metrics)
+    completions, chat = Completions(serving), Chat(serving)
+    created = int(time.time())
+    app.add_middleware(
+        Guard, settings=settings, http_requests=metrics.http_requests, routes=app.router.routes
+    )
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pdcluster",
+            "max_model_len": max_model_len,
+        }
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths and methods get OpenAI-shaped errors too."""
+        response = APIError(exc.status_code, str(exc.detail)).response()
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
+    async def completions_route(request: Request) -> Response:
+        return await completions(request)
+
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest))
+    async def chat_route(request: Request) -> Response:
+        return await chat(request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, serving.no_such_model(model_id), "model_not_found", "model")
+        return model_card()
+
+    @app.post("/tokenize", openapi_extra=_request_body(TokenizeRequest))
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        return tokenize(serving, await serving.parse(request, TokenizeRequest))
+
+    @app.post("/detokenize", openapi_extra=_request_body(DetokenizeRequest))
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        return detokenize(serving, await serving.parse(request, DetokenizeRequest))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/cluster")
+    async def cluster_view() -> dict[str, Any]:
+        stats = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
+        return {"instances": [_instance_view(s) for s in stats]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            stats = await asyncio.wait_for(cluster.stats_async(), 5.0)
+        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+            return JSONResponse({"status": "unhealthy", "reason": str(exc)}, status_code=503)
+        serving_instances = [s for s in stats if s.get("role") != "encoder" and s.get("healthy")]
+        if not serving_instances:
+            return JSONResponse(
+                {"status": "unhealthy", "reason": "no healthy instance"}, status_code=503
+            )
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/v1/admin/scale")
+    async def scale(request: Request) -> dict[str, Any]:
+        body = await serving.parse(request, ScaleRequest)
+        try:
+            members = await cluster.scale(body.role, body.count)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - e.g. no room for new instances: retry later
+            raise APIError(503, f"scaling failed: {exc}", "scale_failed") from None
+        ids = sorted(i for i, role in members.items() if role == body.role)
+        return {"role": body.role, "count": len(ids), "instances": ids}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        try:
+            metrics.instances.snapshot = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
+            metrics.instances.planner = await asyncio.wait_for(cluster.planner_state(), 5.0)
+        except Exception:  # noqa: BLE001 - serve the request metrics even then
+            metrics.instances.snapshot = []
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    _document_bodies(
+        app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    )
+    return app
+
+
+def _request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI for a body the handler parses itself (so its errors stay OpenAI-shaped)."""
+    ref = {"$ref": f"{COMPONENTS}{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _document_bodies(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
+    """Add the request bodies' JSON schemas to the app's OpenAPI components."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                body = model.model_json_schema(ref_template=COMPONENTS + "{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _instance_view(s: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": s.get("id"),
+        "role": s.get("role"),
+        "healthy": bool(s.get("healthy")),
+        "reachable": bool(s.get("reachable", True)),
+        "num_blocks_total": s.get("num_blocks_total", 0),
+        "num_blocks_free": s.get("num_blocks_free", 0),
+        "num_running": s.get("num_running", 0),
+        "num_waiting": s.get("num_waiting", 0),
+        "num_deferred": s.get("num_deferred", 0),
+        "num_pending_transfers": s.get("num_pending_sends", 0) + s.get("num_pending_recvs", 0),
+    }

@@ -1,0 +1,159 @@
+"""`/v1/chat/completions`: messages (text and images) rendered by the model's chat template,
+answered whole or streamed, with tool calls read from the output."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from cluster.api.errors import APIError
+from cluster.api.protocol import ChatCompletionRequest
+from cluster.api.serving import Group, Serving, usage
+from cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse
+from cluster.api.tools import ToolCallParser, forced_call_schema
+from engine.outputs import TopLogprobs
+from engine.sampling_params import StructuredOutputsParams
+
+
+class Chat:
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    async def __call__(self, http: Request) -> Response:
+        serving = self.serving
+        body = await serving.parse(http, ChatCompletionRequest)
+        tool_parser = self._tool_parser(body)
+        try:
+            text = serving.fits(serving.render_chat(body, tools=tool_parser is not None))
+            token_ids = serving.tokenizer.encode(text, add_special_tokens=False)
+            images = [await serving.fetch_image(url) for url in body.image_urls()]
+            prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            params = serving.sampling_params(body, body.max_new_tokens(), body.num_logprobs())
+            forced = forced_call_schema(body)
+            if forced is not None:
+                structured = StructuredOutputsParams(json=json.dumps(forced))
+                params = dataclasses.replace(params, structured_outputs=structured)
+            await serving.check_grammar(params)
+            group = serving.group(0, serving.make(prompt, params), body.n, "n")
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value") from None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = self._chunks(rid, group, include_usage, body.logprobs, tool_parser)
+            return EventStreamResponse(chunks)
+        await serving.run_to_end(http, [group])
+        choices = []
+        for r in group.results:
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            finish_reason = r.finish_reason
+            if tool_parser is not None:
+                fields, finish_reason = tool_parser.message(r.text, finish_reason)
+                message.update(fields)
+            logprobs = self._logprobs(r.token_ids, r.logprobs, r.top_logprobs, body.logprobs)
+            choices.append(
+                {
+                    "index": r.index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": serving.model_name,
+                "choices": choices,
+                "usage": usage(group.results),
+            }
+        )
+
+    def _tool_parser(self, body: ChatCompletionRequest) -> ToolCallParser | None:
+        """How to read calls from the output, when the request offers tools to the model."""
+        if not body.calls_tools():
+            return None
+        if not self.serving.template_takes_tools:
+            raise APIError(
+                400,
+                "tools: this model's chat template does not support tools (it never renders "
+                "them); send the request without tools, or serve a model whose template does",
+                "unsupported_value",
+                "tools",
+            )
+        return ToolCallParser(forced=forced_call_schema(body) is not None)
+
+    async def _chunks(
+        self,
+        rid: str,
+        group: Group,
+        include_usage: bool,
+        logprobs: bool,
+        tool_parser: ToolCallParser | None,
+    ) -> AsyncGenerator[bytes, None]:
+        """With a `tool_parser`, the whole output goes out in the last chunk: as content, or
+        as tool calls."""
+        sse = ChunkEncoder(rid, "chat.completion.chunk", int(time.time()), self.serving.model_name)
+        role = {"role": "assistant", "content": ""}
+        for result in group.results:
+            choice = {"index": result.index, "delta": role, "logprobs": None, "finish_reason": None}
+            yield sse.event([choice])
+        num_sent = [0] * len(group.results)  # tokens whose logprobs went out (held-back text waits)
+        async with contextlib.aclosing(self.serving.merged([group])) as outputs:
+            async for result, out in outputs:
+                if not out.finished and (not out.new_text or tool_parser is not None):
+                    continue  # text held back (an incomplete character, a possible stop string)
+                delta: dict[str, Any] = {"content": out.new_text} if out.new_text else {}
+                finish_reason = out.finish_reason
+                if tool_parser is not None:
+                    delta, finish_reason = tool_parser.message(result.text, finish_reason, True)
+                sent = num_sent[result.index]
+                ids, lps = result.token_ids[sent:], result.logprobs[sent:]
+                tops = result.top_logprobs[sent:]
+                num_sent[result.index] = len(result.token_ids)
+                choice = {
+                    "index": result.index,
+                    "delta": delta,
+                    "logprobs": self._logprobs(ids, lps, tops, logprobs),
+                    "finish_reason": finish_reason,
+                }
+                if out.finish_reason == "error":
+                    choice["error"] = out.error
+                yield sse.event([choice])
+        if include_usage:
+            yield sse.event([], usage(group.results))
+        yield DONE
+
+    def _logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        tops: list[TopLogprobs],
+        wanted: bool,
+    ) -> dict[str, Any] | None:
+        """Chat's shape: per token its text, logprob and bytes, and its alternatives (`tops`
+        is empty when no alternatives were asked)."""
+        if not wanted:
+            return None
+        content = []
+        for i, (token_id, lp) in enumerate(zip(token_ids, logprobs)):
+            entry = _entry(self.serving.token_text(token_id), lp)
+            alternatives = self.serving.alternatives(tops[i]) if tops else []
+            entry["top_logprobs"] = [_entry(t, alt_lp) for t, alt_lp in alternatives]
+            content.append(entry)
+        return {"content": content}
+
+
+def _entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}

@@ -1,0 +1,372 @@
+"""What every generating endpoint shares: turning a validated body into engine requests
+(sampling params, context checks, n/best_of groups, grammars, images, chat templates), and
+driving those requests on the cluster while their metrics are recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import urllib.request
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+from fastapi import Request
+
+from cluster.api.body import BodyT, parse_body
+from cluster.api.errors import RETRY_AFTER_S, APIError
+from cluster.api.metrics import GatewayMetrics
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from cluster.config import GatewaySettings
+from engine.multimodal import decode_data_url, load_image
+from engine.outputs import EngineCoreOutput, TopLogprobs
+from engine.request import Request as EngineRequest
+from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler
+from engine.tokenizer import Tokenizer, chat_template_takes_content_parts, chat_template_takes_tools
+from routing.fanout import fan_out
+from routing.handoff import max_new_tokens
+
+DISCONNECT_POLL_S = 0.1
+IMAGE_FETCH_TIMEOUT_S = 10.0
+
+
+class ClusterClient(Protocol):
+    """What the gateway needs of a cluster (cluster.control.launch.Cluster provides it)."""
+
+    tokenizer: Tokenizer
+
+    def make_request(
+        self, prompt: Any, params: SamplingParams, request_id: str
+    ) -> EngineRequest: ...
+
+    kv_tokens_per_instance: int | None
+
+    def stream_group(
+        self, requests: list[EngineRequest]
+    ) -> AsyncIterator[tuple[int, EngineCoreOutput]]: ...
+
+    async def stats_async(self, timeout_s: float = ...) -> list[dict[str, Any]]: ...
+
+    async def scale(self, role: str, count: int) -> dict[str, str]: ...
+
+    async def planner_state(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class Result:
+    """One sequence's output as it accumulates."""
+
+    index: int  # its choice's
+    prompt_index: int  # the prompt it samples: usage counts each prompt once
+    num_prompt_tokens: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when alternatives were asked
+    finish_reason: str | None = None
+    error: str | None = None
+    unavailable: bool = False  # the error was the cluster's (see EngineCoreOutput)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(self.logprobs)
+
+
+@dataclass
+class Group:
+    """The sequences sampling one prompt (n, best_of), run together (`stream_group`)."""
+
+    requests: list[EngineRequest]
+    results: list[Result]
+
+
+class Serving:
+    """One gateway replica's request building and running, shared by its endpoints."""
+
+    def __init__(
+        self,
+        cluster: ClusterClient,
+        settings: GatewaySettings,
+        model_name: str,
+        max_model_len: int,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.cluster = cluster
+        self.settings = settings
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.cluster.tokenizer
+
+    async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
+        """The body as `model`, for this server's model (another model id is a 404)."""
+        parsed = await parse_body(request, model, self.settings.max_body_bytes)
+        if getattr(parsed, "model", None) not in (None, self.model_name):
+            raise APIError(404, self.no_such_model(parsed.model), "model_not_found", "model")
+        return parsed
+
+    def no_such_model(self, model_id: str) -> str:
+        return f"model {model_id!r} does not exist; this server serves {self.model_name!r}"
+
+    # ---- request building ------------------------------------------------------------
+    def sampling_params(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        params = body.sampling_params(max_tokens, logprobs)
+        vocab_size = self.tokenizer.vocab_size
+        outside = [t for t in params.logit_bias if t >= vocab_size]
+        if outside:
+            raise APIError(
+                400,
+                f"logit_bias: {outside[0]} is not a token id of this model "
+                f"(vocabulary of {vocab_size})",
+                "invalid_value",
+                "logit_bias",
+            )
+        return params
+
+    @cached_property
+    def _grammars(self) -> GrammarCompiler:
+        return GrammarCompiler(self.tokenizer, self.tokenizer.vocab_size)
+
+    async def check_grammar(self, params: SamplingParams) -> None:
+        """Compile the grammar `response_format` asks for (off the event loop: a large schema
+        takes milliseconds), so that a bad schema is the client's 400, not a failed request."""
+        structured = params.structured_outputs
+        if structured is None:
+            return
+        try:
+            await asyncio.to_thread(self._grammars.matcher, structured)
+        except ValueError as exc:
+            raise APIError(
+                400, f"response_format: {exc}", "invalid_value", "response_format"
+            ) from None
+
+    def fits(self, text: str) -> str:
+        """Refuse, before tokenizing it (which holds the event loop), a text too long to
+        fit the context whatever its tokens: each token spells at most max_token_chars
+        characters (twice that allows for normalizers that shorten text)."""
+        if len(text) > 2 * self.max_model_len * self.tokenizer.max_token_chars:
+            raise ValueError(
+                f"prompt has {len(text)} characters, more than this model's maximum context "
+                f"length of {self.max_model_len} tokens can hold"
+            )
+        return text
+
+    def make(self, prompt: Any, params: SamplingParams) -> EngineRequest:
+        if isinstance(prompt, str):
+            self.fits(prompt)
+        request = self.cluster.make_request(prompt, params, f"req-{uuid.uuid4().hex}")
+        room = self.max_model_len - request.num_prompt_tokens
+        if room < 1:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; this model's maximum context length is {self.max_model_len} tokens"
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {request.num_prompt_tokens} and max_tokens asks for {params.max_tokens} more"
+            )
+        return request
+
+    def group(
+        self, prompt_index: int, request: EngineRequest, num_seqs: int, asked_by: str
+    ) -> Group:
+        """The prompt's `num_seqs` sequences. Planned onto one instance together, they must
+        all fit its KV cache at once (`asked_by`: the body field that asked for them)."""
+        max_new = max_new_tokens(request, self.max_model_len)
+        capacity = self.cluster.kv_tokens_per_instance
+        needed = num_seqs * (request.num_prompt_tokens + max_new)
+        if num_seqs > 1 and capacity is not None and needed > capacity:
+            raise APIError(
+                400,
+                f"{asked_by}: {num_seqs} sequences of {request.num_prompt_tokens} prompt tokens and "
+                f"up to {max_new} new tokens each exceed the {capacity} tokens of KV cache one "
+                f"instance holds; lower {asked_by} or max_tokens",
+                "invalid_value",
+                asked_by,
+            )
+        first = prompt_index * num_seqs
+        results = [
+            Result(first + i, prompt_index, request.num_prompt_tokens) for i in range(num_seqs)
+        ]
+        return Group(fan_out(request, num_seqs), results)
+
+    async def fetch_image(self, url: str) -> Any:
+        """A data: URL, or an http(s) URL whose host the config allow-lists (no other
+        server-side fetch is ever made)."""
+        if url.startswith("data:"):
+            data = decode_data_url(url, self.settings.max_body_bytes)
+            return await asyncio.to_thread(load_image, data)  # decoding can take a while
+        parsed = urlparse(url)
+        allowed = self.settings.allowed_image_hosts
+        if parsed.scheme not in ("http", "https") or parsed.hostname not in allowed:
+            raise ValueError(
+                "image_url must be a data: URL; remote URLs are refused unless their host is "
+                "allow-listed"
+            )
+        data = await asyncio.to_thread(_download, url, self.settings.max_body_bytes)
+        return await asyncio.to_thread(load_image, data)
+
+    # ---- chat templates --------------------------------------------------------------
+    @cached_property
+    def _template_takes_content_parts(self) -> bool:
+        template = self.tokenizer.chat_template
+        return template is None or chat_template_takes_content_parts(template)
+
+    @cached_property
+    def template_takes_tools(self) -> bool:
+        template = self.tokenizer.chat_template
+        return template is not None and chat_template_takes_tools(template)
+
+    def render_chat(
+        self,
+        body: ChatCompletionRequest | TokenizeRequest,
+        add_generation_prompt: bool = True,
+        tools: bool = False,
+    ) -> str:
+        """The chat prompt (with `tools`: the request's tools rendered for the model); a
+        template that fails on these messages is the client's error."""
+        messages = body.template_messages(self._template_takes_content_parts)
+        kwargs = {}
+        if tools and isinstance(body, ChatCompletionRequest):
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        except TypeError as exc:  # e.g. the template adds a string to a non-string value
+            raise ValueError(f"chat template failed: {exc}") from None
+
+    # ---- running ---------------------------------------------------------------------
+    async def _outputs(self, group: Group) -> AsyncGenerator[tuple[Result, EngineCoreOutput], None]:
+        """Drive one prompt's sequences, accumulating their results and recording their
+        metrics (also when the client goes away: closing or cancelling this aborts the
+        unfinished ones and counts them as aborted)."""
+        timers = [self.metrics.start(r.num_prompt_tokens) for r in group.requests]
+        try:
+            async with contextlib.aclosing(self.cluster.stream_group(group.requests)) as outputs:
+                async for i, out in outputs:
+                    result = group.results[i]
+                    timers[i].observe(out)
+                    result.text += out.new_text
+                    result.token_ids += out.new_token_ids
+                    result.logprobs += out.new_logprobs or []
+                    result.top_logprobs += out.new_top_logprobs or []
+                    if out.finished:
+                        result.finish_reason, result.error = out.finish_reason, out.error
+                        result.unavailable = out.unavailable
+                    yield result, out
+        finally:
+            for timer, result in zip(timers, group.results):
+                timer.finish(result.finish_reason)
+
+    async def run_to_end(self, http: Request, groups: list[Group]) -> None:
+        """Non-streaming: every sequence at once, into its result. A client that disconnects,
+        or a sequence that fails, aborts the others."""
+
+        async def drain() -> None:
+            async with contextlib.aclosing(self.merged(groups)) as outputs:
+                async for result, out in outputs:
+                    if out.finish_reason == "error":
+                        raise _failure(result)
+
+        work = asyncio.ensure_future(drain())
+        watch = asyncio.ensure_future(_wait_disconnect(http))
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                work.cancel()
+                raise APIError(499, "client closed the request", "client_closed")
+        finally:
+            watch.cancel()
+        work.result()
+
+    async def merged(
+        self, groups: list[Group]
+    ) -> AsyncGenerator[tuple[Result, EngineCoreOutput], None]:
+        """Outputs of several prompts' sequences as they arrive (closing this aborts all)."""
+        if len(groups) == 1:  # no task and queue hop between the cluster and the client
+            async with contextlib.aclosing(self._outputs(groups[0])) as outputs:
+                async for item in outputs:
+                    yield item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(group: Group) -> None:
+            async with contextlib.aclosing(self._outputs(group)) as outputs:
+                async for item in outputs:
+                    queue.put_nowait(item)
+
+        tasks = [asyncio.ensure_future(pump(group)) for group in groups]
+        remaining = sum(len(g.results) for g in groups)
+        try:
+            while remaining:
+                result, out = await queue.get()
+                remaining -= out.finished
+                yield result, out
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    # ---- token texts -----------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def alternatives(self, top: TopLogprobs) -> list[tuple[str, float]]:
+        return [(self.token_text(t), lp) for t, lp in zip(top.token_ids, top.logprobs)]
+
+
+def usage(results: list[Result]) -> dict[str, int]:
+    """Each prompt counted once, however many sequences sampled it; every sequence's tokens."""
+    prompt = sum({r.prompt_index: r.num_prompt_tokens for r in results}.values())
+    completion = sum(len(r.token_ids) for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def best(results: list[Result], n: int) -> list[Result]:
+    """The n results of one prompt with the highest cumulative log-probability (best_of),
+    as choices numbered after the prompt's."""
+    if len(results) == n:
+        return results
+    ranked = sorted(results, key=lambda r: r.cumulative_logprob, reverse=True)[:n]
+    return [dataclasses.replace(r, index=r.prompt_index * n + i) for i, r in enumerate(ranked)]
+
+
+def _failure(result: Result) -> APIError:
+    """A non-streamed request's error: 503 when it lost its instance (a retry may succeed)."""
+    if result.unavailable:
+        return APIError(
+            503, result.error or "no instance could serve the request", "unavailable",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )  # fmt: skip
+    return APIError(500, result.error or "the request failed", "request_failed")
+
+
+def _download(url: str, max_bytes: int) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=IMAGE_FETCH_TIMEOUT_S) as response:  # noqa: S310
+            data = response.read(max_bytes + 1)
+    except OSError as exc:
+        raise ValueError(f"could not fetch image {url}: {exc}") from None
+    if len(data) > max_bytes:
+        raise ValueError(f"image at {url} exceeds {max_bytes} bytes")
+    return data
+
+
+async def _wait_disconnect(http: Request) -> None:
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
