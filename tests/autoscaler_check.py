@@ -204,7 +204,7 @@ def serve(model_dir: str) -> dict[str, Any]:
 
 
 def scale_up(pd) -> dict[str, Any]:
-    """Decode 1 -> 2: the new instance's placement group waits for a node to be added."""
+    """Decode 1 -> 2: the new instance (a pending actor) waits for a node to be added."""
     start = time.monotonic()
     members = asyncio.run(pd.scale("decode", 2))
     scale_up_s = time.monotonic() - start

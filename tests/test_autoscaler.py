@@ -1,5 +1,5 @@
 """Ray autoscaler integration: scaling decode 1 -> 2 makes the autoscaler add a decode
-node (the new instance's placement group waits for it), and scaling back lets that node
+node (the new instance, a pending actor, waits for it), and scaling back lets that node
 idle out; outputs stay token-identical throughout.
 
 The autoscaling cluster (Ray's fake multi-node provider) is built in a subprocess

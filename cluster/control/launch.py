@@ -358,7 +358,7 @@ def _start_pool(controller: ray.actor.ActorHandle) -> dict[str, str]:
 
 
 def shutdown_pool(pool: str, namespace: str | None = None) -> bool:
-    """End a named pool: its instances, their placement groups and its controller. False
+    """End a named pool: its instances and its controller. False
     when no such pool is up."""
     try:
         controller = ray.get_actor(f"{pool}-controller", namespace=namespace)

@@ -130,7 +130,7 @@ class PoolController:
             return dict(self._members)
 
     async def shutdown(self) -> None:
-        """End the pool: every instance, its placement group, the persisted membership."""
+        """End the pool: every instance and the persisted membership."""
         for task in (self._planner_task, self._started):
             if task is not None:
                 task.cancel()
