@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -47,6 +48,17 @@ def preset_dir(tmp_path_factory):
 def model_dir(preset_dir):
     """The multimodal preset the cluster tests serve."""
     return preset_dir("tiny-llava")
+
+
+@pytest.fixture(scope="session")
+def tools_model_dir(preset_dir, tmp_path_factory):
+    """tiny-llama with a chat template that renders tools (Hermes-style calls)."""
+    from tests.test_tools import TOOLS_TEMPLATE
+
+    folder = tmp_path_factory.mktemp("tiny-llama-tools") / "model"
+    shutil.copytree(preset_dir("tiny-llama"), folder)
+    (folder / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    return str(folder)
 
 
 @pytest.fixture(scope="module")
