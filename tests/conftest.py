@@ -71,6 +71,17 @@ def reference(model_dir):
     return lambda prompt, params=GREEDY: llm.generate(prompt, params)[0]
 
 
+@pytest.fixture
+def clean(cluster):
+    """After the test: every instance of the module's `cluster` idle with all its blocks
+    free, and nothing the test created left in the object store."""
+    from tests.cluster_utils import assert_clean, live_object_ids
+
+    baseline = live_object_ids()
+    yield
+    assert_clean(cluster, baseline)
+
+
 @pytest.fixture(scope="module")
 def base_url(cluster):
     """The module's `cluster` (each gateway test module defines one) served over HTTP on a

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.cluster_utils import assert_clean, live_object_ids, start
+from tests.cluster_utils import start
 from tests.test_structured_cluster import WEATHER
 from tests.test_structured_output import PERSON
 
@@ -36,13 +36,6 @@ STREAM_EVENTS = [
 def cluster(ray_session, tools_model_dir):
     with start(tools_model_dir, prefill=1, decode=1, gateway={"served_model_name": MODEL}) as c:
         yield c
-
-
-@pytest.fixture
-def clean(cluster):
-    baseline = live_object_ids()
-    yield
-    assert_clean(cluster, baseline)
 
 
 def chat(client, messages, max_tokens, **fields):

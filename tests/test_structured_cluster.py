@@ -31,13 +31,6 @@ def cluster(request, ray_session, tools_model_dir):
         yield c
 
 
-@pytest.fixture
-def clean(cluster):
-    baseline = live_object_ids()
-    yield
-    assert_clean(cluster, baseline)
-
-
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_chat_json_schema_output_matches(client, clean, sampling):
     out = client.chat.completions.create(
