@@ -10,7 +10,9 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.cluster_utils import start
+from cluster.replicas import gateway_app
+from tests.cluster_utils import assert_clean, live_object_ids, random_image, start
+from tests.gateway_utils import data_url, running
 from tests.test_structured_cluster import WEATHER
 from tests.test_structured_output import PERSON
 
@@ -193,6 +195,12 @@ BAD = [
     ({"input": [{"role": "tool", "content": "x"}]}, "input.0", "role"),
     ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input.0", "type"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0", "call_id"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+        "input.0",
+        "file_id is not supported",
+    ),
+    ({"conversation": "conv_1"}, "conversation", "stores no responses"),
     ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal"),
     ({"temperature": -1}, "temperature", "greater than or equal"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
@@ -245,3 +253,24 @@ def test_stateless_fields_are_accepted_and_nothing_is_stored(base_url, clean):
     schema = httpx.get(f"{base_url}/openapi.json", timeout=30).json()
     assert "ResponsesRequest" in schema["components"]["schemas"]
     assert "/v1/responses" in schema["paths"]
+
+
+def test_an_input_image_is_seen_as_in_chat(ray_session, model_dir):
+    """tiny-llava (a multimodal preset): an `input_image` part is chat's `image_url` part."""
+    url = data_url(random_image(3))
+    with start(model_dir, mixed=1, gateway={"served_model_name": MODEL}) as cluster, running(
+        gateway_app(cluster)
+    ) as base:  # fmt: skip
+        baseline = live_object_ids()
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        parts = [{"type": "text", "text": "What is this?"},
+                 {"type": "image_url", "image_url": {"url": url}}]  # fmt: skip
+        expected = chat(client, [{"role": "user", "content": parts}], 8)
+        parts = [{"type": "input_text", "text": "What is this?"},
+                 {"type": "input_image", "image_url": url}]  # fmt: skip
+        out = client.responses.create(
+            model=MODEL, input=[{"role": "user", "content": parts}], max_output_tokens=8, **GREEDY
+        )
+        assert out.output_text == expected.choices[0].message.content
+        assert out.usage.input_tokens == expected.usage.prompt_tokens
+        assert_clean(cluster, baseline)

@@ -20,16 +20,20 @@ from pydantic import (
     Tag,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from cluster.api.protocol import (
     FUNCTION_NAME,
     ChatCompletionRequest,
     ChatMessage,
+    ContentPart,
     FiniteFloat,
     FunctionCall,
     FunctionDefinition,
     FunctionName,
+    ImagePart,
+    ImageURL,
     JSONObjectFormat,
     JSONSchema,
     JSONSchemaFormat,
@@ -67,7 +71,22 @@ class OutputText(_Part):
     logprobs: list[Any] | None = Field(None, description="ignored")
 
 
-InputPart = Annotated[InputText | OutputText, Field(discriminator="type")]
+class InputImage(_Part):
+    type: Literal["input_image"]
+    image_url: str | None = Field(None, min_length=1, description="a data: URL (or allowed host)")
+    file_id: str | None = Field(None, description="not supported: no files are stored")
+    detail: Literal["auto", "low", "high"] = "auto"
+
+    @model_validator(mode="after")
+    def _check_source(self) -> InputImage:
+        if self.file_id is not None:
+            raise unsupported("file_id is not supported: no files are stored; send image_url")
+        if self.image_url is None:
+            raise invalid("image_url: an input_image needs one")
+        return self
+
+
+InputPart = Annotated[InputText | OutputText | InputImage, Field(discriminator="type")]
 
 
 class Message(_Part):
@@ -165,6 +184,8 @@ class ResponsesRequest(BaseModel):
     )
     include: list[str] | None = Field(None, description="extra output data: none supported")
     previous_response_id: str | None = Field(None, description="not supported: nothing stored")
+    conversation: str | dict[str, Any] | None = Field(None, description="not supported")
+    prompt: dict[str, Any] | None = Field(None, description="not supported: a stored prompt")
     background: bool | None = Field(None, description="not supported: nothing stored")
     store: bool | None = Field(None, description="ignored: nothing is stored")
     metadata: dict[str, str] | None = Field(
@@ -192,13 +213,14 @@ class ResponsesRequest(BaseModel):
             raise invalid("text.format: a forced tool call (tool_choice) cannot take one too")
         return text
 
-    @field_validator("previous_response_id")
+    @field_validator("previous_response_id", "conversation", "prompt")
     @classmethod
-    def _check_previous(cls, value: str | None) -> str | None:
+    def _check_stored(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None:
             raise unsupported(
-                "previous_response_id is not supported: this server stores no responses; "
-                "send the earlier turns (and their output items) in input"
+                f"{info.field_name} is not supported: this server stores no responses, "
+                "conversations or prompts; send the earlier turns (and their output items) "
+                "in input"
             )
         return value
 
@@ -273,10 +295,17 @@ class ResponsesRequest(BaseModel):
         return fmt if isinstance(fmt, JSONObjectFormat) else None
 
 
-def _chat_content(content: str | list[Any]) -> str | list[TextPart]:
+def _chat_content(content: str | list[Any]) -> str | list[ContentPart]:
     if isinstance(content, str):
         return content
-    return [TextPart(type="text", text=part.text) for part in content]
+    return [_chat_part(part) for part in content]
+
+
+def _chat_part(part: InputText | OutputText | InputImage) -> ContentPart:
+    if isinstance(part, InputImage):
+        url = ImageURL(url=part.image_url or "", detail=part.detail)
+        return ImagePart(type="image_url", image_url=url)
+    return TextPart(type="text", text=part.text)
 
 
 def _add_call(messages: list[ChatMessage], item: FunctionCallItem) -> None:
