@@ -117,6 +117,19 @@ def test_a_streamed_response_sends_the_numbered_events(client, clean):
     assert final.id == events[0].response.id
 
 
+def test_a_client_that_leaves_mid_stream_frees_every_block(client, clean):
+    stream = client.responses.create(
+        model=MODEL, input="Go on and on.", max_output_tokens=400, stream=True, **GREEDY
+    )
+    kinds = []
+    for event in stream:
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            break
+    stream.close()  # the clean fixture then finds every instance idle, all blocks free
+    assert kinds == STREAM_EVENTS[:5]
+
+
 def test_the_stream_helper_returns_schema_valid_json(client, clean):
     with client.responses.stream(
         model=MODEL, input="A person, as JSON.", max_output_tokens=120, text=PERSON_TEXT, **GREEDY
