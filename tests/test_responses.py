@@ -5,6 +5,7 @@ streamed, instructions, max_output_tokens, function calls, structured text, bad 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import jsonschema
@@ -19,6 +20,7 @@ from tests.test_structured_output import PERSON
 openai = pytest.importorskip("openai")
 
 MODEL = "tiny"
+FUZZ_EXAMPLES = 60  # per generation mode
 GREEDY = {"temperature": 0}
 FUNCTION = {"type": "function", **WEATHER["function"]}  # the Responses API's flat shape
 PERSON_TEXT = {"format": {"type": "json_schema", "name": "person", "schema": PERSON}}
@@ -287,3 +289,22 @@ def test_an_input_image_is_seen_as_in_chat(ray_session, model_dir):
         assert out.output_text == expected.choices[0].message.content
         assert out.usage.input_tokens == expected.usage.prompt_tokens
         assert_clean(cluster, baseline)
+
+
+def test_generated_bodies_never_fail_the_server(base_url, clean):
+    """Bodies from the served OpenAPI document, valid and invalid per its schema: no 5xx,
+    every 4xx OpenAI-shaped (the fuzz suite's property)."""
+    fuzzing = pytest.importorskip("tests.test_gateway_fuzz")  # needs schemathesis
+
+    def tame(case: tuple[str, Any]) -> tuple[str, Any]:
+        path, body = case
+        if isinstance(body, dict) and type(body.get("max_output_tokens")) is int:
+            body["max_output_tokens"] = min(max(body["max_output_tokens"], 1), 3)
+        elif isinstance(body, dict):
+            body["max_output_tokens"] = 3
+        return path, body
+
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        for mode in fuzzing.schemathesis.GenerationMode:
+            cases = fuzzing.schema_cases(base_url, "/v1/responses", mode).map(tame)
+            fuzzing.fuzz(http, cases, FUZZ_EXAMPLES, derandomize=True)
