@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -49,6 +50,17 @@ def model_dir(preset_dir):
     return preset_dir("tiny-llava")
 
 
+@pytest.fixture(scope="session")
+def tools_model_dir(preset_dir, tmp_path_factory):
+    """tiny-llama with a chat template that renders tools (Hermes-style calls)."""
+    from tests.test_tools import TOOLS_TEMPLATE
+
+    folder = tmp_path_factory.mktemp("tiny-llama-tools") / "model"
+    shutil.copytree(preset_dir("tiny-llama"), folder)
+    (folder / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    return str(folder)
+
+
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """Colocated, in-process greedy outputs: what every topology must reproduce."""
@@ -57,6 +69,17 @@ def reference(model_dir):
 
     llm = LLM(model_dir, **SMALL_ENGINE)
     return lambda prompt, params=GREEDY: llm.generate(prompt, params)[0]
+
+
+@pytest.fixture
+def clean(cluster):
+    """After the test: every instance of the module's `cluster` idle with all its blocks
+    free, and nothing the test created left in the object store."""
+    from tests.cluster_utils import assert_clean, live_object_ids
+
+    baseline = live_object_ids()
+    yield
+    assert_clean(cluster, baseline)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 
 import httpx
 import jsonschema
@@ -15,7 +14,6 @@ from cluster.replicas import gateway_app
 from tests.cluster_utils import assert_clean, live_object_ids, start
 from tests.gateway_utils import running
 from tests.test_structured_output import PERSON
-from tests.test_tools import TOOLS_TEMPLATE
 
 openai = pytest.importorskip("openai")
 
@@ -26,27 +24,11 @@ SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "seed": 5}, {"temperature"
 TOPOLOGIES = {"colocated": {"mixed": 1}, "1p1d": {"prefill": 1, "decode": 1}}
 
 
-@pytest.fixture(scope="module")
-def tools_model_dir(preset_dir, tmp_path_factory):
-    """tiny-llama with a chat template that renders tools (Hermes-style calls)."""
-    folder = tmp_path_factory.mktemp("tiny-llama-tools") / "model"
-    shutil.copytree(preset_dir("tiny-llama"), folder)
-    (folder / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
-    return str(folder)
-
-
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
 def cluster(request, ray_session, tools_model_dir):
     gateway = {"served_model_name": MODEL}
     with start(tools_model_dir, gateway=gateway, **TOPOLOGIES[request.param]) as c:
         yield c
-
-
-@pytest.fixture
-def clean(cluster):
-    baseline = live_object_ids()
-    yield
-    assert_clean(cluster, baseline)
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)

@@ -29,6 +29,8 @@ from cluster.api.protocol import (
     ScaleRequest,
     TokenizeRequest,
 )
+from cluster.api.responses import NOT_STORED, Responses
+from cluster.api.responses_protocol import ResponsesRequest
 from cluster.api.serving import ClusterClient, Serving
 from cluster.api.tokens import detokenize, tokenize
 from cluster.config import GatewaySettings
@@ -46,6 +48,7 @@ def create_app(
     metrics = GatewayMetrics(model_name, max_model_len)
     serving = Serving(cluster, settings, model_name, max_model_len, metrics)
     completions, chat = Completions(serving), Chat(serving)
+    responses = Responses(chat)
     created = int(time.time())
     app.add_middleware(
         Guard, settings=settings, http_requests=metrics.http_requests, routes=app.router.routes
@@ -78,6 +81,14 @@ def create_app(
     @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest))
     async def chat_route(request: Request) -> Response:
         return await chat(request)
+
+    @app.post("/v1/responses", openapi_extra=_request_body(ResponsesRequest))
+    async def responses_route(request: Request) -> Response:
+        return await responses(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        raise APIError(404, NOT_STORED, "response_not_found", "response_id")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -141,7 +152,14 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     _document_bodies(
-        app, (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+        app,
+        (
+            CompletionRequest,
+            ChatCompletionRequest,
+            ResponsesRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+        ),
     )
     return app
 

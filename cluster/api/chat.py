@@ -30,23 +30,7 @@ class Chat:
     async def __call__(self, http: Request) -> Response:
         serving = self.serving
         body = await serving.parse(http, ChatCompletionRequest)
-        tool_parser = self._tool_parser(body)
-        try:
-            text = serving.fits(serving.render_chat(body, tools=tool_parser is not None))
-            token_ids = serving.tokenizer.encode(text, add_special_tokens=False)
-            images = [await serving.fetch_image(url) for url in body.image_urls()]
-            prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
-            if images:
-                prompt["multi_modal_data"] = {"image": images}
-            params = serving.sampling_params(body, body.max_new_tokens(), body.num_logprobs())
-            forced = forced_call_schema(body)
-            if forced is not None:
-                structured = StructuredOutputsParams(json=json.dumps(forced))
-                params = dataclasses.replace(params, structured_outputs=structured)
-            await serving.check_grammar(params)
-            group = serving.group(0, serving.make(prompt, params), body.n, "n")
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_value") from None
+        group, tool_parser = await self.prepare(body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -79,6 +63,31 @@ class Chat:
                 "usage": usage(group.results),
             }
         )
+
+    async def prepare(
+        self, body: ChatCompletionRequest, format_field: str = "response_format"
+    ) -> tuple[Group, ToolCallParser | None]:
+        """The body's sequences, ready to run, and how to read tool calls from their output
+        (`format_field`: the body field that names the output's format, for its errors)."""
+        serving = self.serving
+        tool_parser = self._tool_parser(body)
+        try:
+            text = serving.fits(serving.render_chat(body, tools=tool_parser is not None))
+            token_ids = serving.tokenizer.encode(text, add_special_tokens=False)
+            images = [await serving.fetch_image(url) for url in body.image_urls()]
+            prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            params = serving.sampling_params(body, body.max_new_tokens(), body.num_logprobs())
+            forced = forced_call_schema(body)
+            if forced is not None:
+                structured = StructuredOutputsParams(json=json.dumps(forced))
+                params = dataclasses.replace(params, structured_outputs=structured)
+            await serving.check_grammar(params, format_field)
+            group = serving.group(0, serving.make(prompt, params), body.n, "n")
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value") from None
+        return group, tool_parser
 
     def _tool_parser(self, body: ChatCompletionRequest) -> ToolCallParser | None:
         """How to read calls from the output, when the request offers tools to the model."""

@@ -64,6 +64,7 @@ class Result:
     index: int  # its choice's
     prompt_index: int  # the prompt it samples: usage counts each prompt once
     num_prompt_tokens: int
+    num_cached_tokens: int = 0  # of the prompt's, found in an instance's prefix cache
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -140,8 +141,8 @@ class Serving:
     def _grammars(self) -> GrammarCompiler:
         return GrammarCompiler(self.tokenizer, self.tokenizer.vocab_size)
 
-    async def check_grammar(self, params: SamplingParams) -> None:
-        """Compile the grammar `response_format` asks for (off the event loop: a large schema
+    async def check_grammar(self, params: SamplingParams, field: str = "response_format") -> None:
+        """Compile the grammar the body's `field` asks for (off the event loop: a large schema
         takes milliseconds), so that a bad schema is the client's 400, not a failed request."""
         structured = params.structured_outputs
         if structured is None:
@@ -149,9 +150,7 @@ class Serving:
         try:
             await asyncio.to_thread(self._grammars.matcher, structured)
         except ValueError as exc:
-            raise APIError(
-                400, f"response_format: {exc}", "invalid_value", "response_format"
-            ) from None
+            raise APIError(400, f"{field}: {exc}", "invalid_value", field) from None
 
     def fits(self, text: str) -> str:
         """Refuse, before tokenizing it (which holds the event loop), a text too long to
@@ -262,6 +261,7 @@ class Serving:
                     result.token_ids += out.new_token_ids
                     result.logprobs += out.new_logprobs or []
                     result.top_logprobs += out.new_top_logprobs or []
+                    result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
                     if out.finished:
                         result.finish_reason, result.error = out.finish_reason, out.error
                         result.unavailable = out.unavailable

@@ -32,6 +32,11 @@ class ChunkEncoder:
         return self._head + (_encode(choices) + tail).encode()
 
 
+def named_event(payload: dict[str, Any]) -> bytes:
+    """`event: TYPE\ndata: {...}\n\n`, as the Responses API streams its typed events."""
+    return f"event: {payload['type']}\ndata: {_encode(payload)}\n\n".encode()
+
+
 class EventStreamResponse(StreamingResponse):
     """A `text/event-stream` response of already-encoded events.
 
