@@ -14,7 +14,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from cluster.api.beam_serving import run_beam_search
 from cluster.api.errors import APIError
+from cluster.api.prompt_logprobs import prompt_logprobs_json
 from cluster.api.protocol import ChatCompletionRequest
 from cluster.api.serving import Group, Serving, usage
 from cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse
@@ -52,7 +54,10 @@ class Chat:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._chunks(rid, group, include_usage, body.logprobs, tool_parser)
             return EventStreamResponse(chunks)
-        await serving.run_to_end(http, [group])
+        if body.use_beam_search:
+            await run_beam_search(serving, http, [group], body.length_penalty)
+        else:
+            await serving.run_to_end(http, [group])
         choices = []
         for r in group.results:
             message: dict[str, Any] = {"role": "assistant", "content": r.text}
@@ -67,6 +72,7 @@ class Chat:
                     "message": message,
                     "logprobs": logprobs,
                     "finish_reason": finish_reason,
+                    "prompt_logprobs": prompt_logprobs_json(serving, r.prompt_logprobs),
                 }
             )
         return JSONResponse(
@@ -77,6 +83,8 @@ class Chat:
                 "model": serving.model_name,
                 "choices": choices,
                 "usage": usage(group.results),
+                # vLLM's place for them; each choice carries its own too
+                "prompt_logprobs": choices[0]["prompt_logprobs"],
             }
         )
 

@@ -11,11 +11,17 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from cluster.api.beam_serving import run_beam_search
 from cluster.api.errors import APIError
+from cluster.api.prompt_logprobs import (
+    echoed_entries,
+    echoed_params,
+    legacy_entries,
+    prompt_logprobs_json,
+)
 from cluster.api.protocol import CompletionRequest
-from cluster.api.serving import Group, Serving, best, usage
+from cluster.api.serving import Group, Result, Serving, best, usage
 from cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse
-from engine.outputs import TopLogprobs
 
 
 class Completions:
@@ -40,6 +46,7 @@ class Completions:
             logprobs = 0 if body.logprobs is None and num_seqs > body.n else body.logprobs
             asked_by = "n" if num_seqs == body.n else "best_of"
             params = serving.sampling_params(body, body.max_tokens, logprobs)
+            params = echoed_params(params, body.echo, body.logprobs)
             await serving.check_grammar(params)
             groups = [
                 serving.group(j, serving.make(p, params), num_seqs, asked_by)
@@ -53,14 +60,19 @@ class Completions:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._chunks(rid, groups, include_usage, body.logprobs, echoes)
             return EventStreamResponse(chunks)
-        await serving.run_to_end(http, groups)
+        if body.use_beam_search:
+            await run_beam_search(serving, http, groups, body.length_penalty)
+        else:
+            await serving.run_to_end(http, groups)
         results = [r for g in groups for r in best(g.results, body.n)]
+        prompt_ids = [g.requests[0].prompt_token_ids for g in groups]
         choices = [
             {
                 "index": r.index,
                 "text": (echoes[r.prompt_index] if echoes else "") + r.text,
-                "logprobs": self._logprobs(r.token_ids, r.logprobs, r.top_logprobs, body.logprobs),
+                "logprobs": self._choice_logprobs(r, body.logprobs, prompt_ids, bool(echoes)),
                 "finish_reason": r.finish_reason,
+                "prompt_logprobs": prompt_logprobs_json(serving, r.prompt_logprobs),
             }
             for r in results
         ]
@@ -89,25 +101,39 @@ class Completions:
         logprobs: int | None,
         echoes: list[str] | None,
     ) -> AsyncGenerator[bytes, None]:
+        """An echo goes first; with logprobs it waits for the prompt's, which come with its
+        sequence's first output, and goes out in that chunk."""
         sse = ChunkEncoder(rid, "text_completion", int(time.time()), self.serving.model_name)
         results = [r for g in groups for r in g.results]
-        for result in results if echoes else []:
+        prompt_ids = [g.requests[0].prompt_token_ids for g in groups]
+        num_chars = [0] * len(results)  # text sent, by choice index: where text_offset goes on
+        echo_pending = {r.index for r in results} if echoes and logprobs is not None else set()
+        for result in results if echoes and not echo_pending else []:
             text = echoes[result.prompt_index]
+            num_chars[result.index] = len(text)
             choice = {"index": result.index, "text": text, "logprobs": None, "finish_reason": None}
             yield sse.event([choice])
         async with contextlib.aclosing(self.serving.merged(groups)) as outputs:
             async for result, out in outputs:
+                text, entries = out.new_text, None
+                if logprobs is not None:
+                    ids, lps = out.new_token_ids, out.new_logprobs or []
+                    entries = legacy_entries(self.serving, ids, lps, out.new_top_logprobs or [])
+                if result.index in echo_pending:
+                    echo_pending.discard(result.index)
+                    text = echoes[result.prompt_index] + text
+                    prompt = prompt_ids[result.prompt_index]
+                    echoed = echoed_entries(self.serving, prompt, out.prompt_logprobs)
+                    entries = echoed.extend(entries)
                 choice = {
                     "index": result.index,
-                    "text": out.new_text,
-                    "logprobs": self._logprobs(
-                        out.new_token_ids,
-                        out.new_logprobs or [],
-                        out.new_top_logprobs or [],
-                        logprobs,
-                    ),
+                    "text": text,
+                    "logprobs": None
+                    if entries is None
+                    else entries.as_json(num_chars[result.index]),
                     "finish_reason": out.finish_reason,
                 }
+                num_chars[result.index] += len(text)
                 if out.finish_reason == "error":
                     choice["error"] = out.error
                 yield sse.event([choice])
@@ -115,26 +141,17 @@ class Completions:
             yield sse.event([], usage(results))
         yield DONE
 
-    def _logprobs(
-        self,
-        token_ids: list[int],
-        logprobs: list[float],
-        tops: list[TopLogprobs],
-        wanted: int | None,
+    def _choice_logprobs(
+        self, result: Result, wanted: int | None, prompt_ids: list[list[int]], echo: bool
     ) -> dict[str, Any] | None:
-        """OpenAI's legacy shape: per token, a {token: logprob} of the likeliest `wanted`
-        and the sampled one (`tops` is empty when no alternatives were asked)."""
+        """OpenAI's legacy shape (see `cluster.api.prompt_logprobs`); with `echo`, the
+        prompt's tokens come first."""
         if wanted is None:
             return None
-        tokens = [self.serving.token_text(t) for t in token_ids]
-        top_logprobs = []
-        for i, (token, lp) in enumerate(zip(tokens, logprobs)):
-            entry = dict(self.serving.alternatives(tops[i])) if tops else {}
-            entry.setdefault(token, lp)
-            top_logprobs.append(entry)
-        return {
-            "tokens": tokens,
-            "token_logprobs": logprobs,
-            "top_logprobs": top_logprobs,
-            "text_offset": None,
-        }
+        entries = legacy_entries(
+            self.serving, result.token_ids, result.logprobs, result.top_logprobs
+        )
+        if echo:
+            prompt = prompt_ids[result.prompt_index]
+            entries = echoed_entries(self.serving, prompt, result.prompt_logprobs).extend(entries)
+        return entries.as_json()
