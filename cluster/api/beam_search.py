@@ -55,7 +55,9 @@ class BeamSearchParams:
     stop: tuple[str, ...] = ()  # stop strings, checked on a beam's text
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
-    min_tokens: int = 0  # before this many tokens, EOS and stop token ids are not candidates
+    # Until this many tokens are out, EOS and stop token ids are no candidates and no stop
+    # string ends a beam (vLLM's min_tokens).
+    min_tokens: int = 0
 
     @property
     def num_candidates(self) -> int:
@@ -110,8 +112,9 @@ class BeamSearch:
     def step(self, tops: list[TopLogprobs]) -> None:
         """Expand live beam i by its alternatives `tops[i]`; keep the best beam_width."""
         candidates: list[Beam] = []
+        k = self.params.num_candidates
         for beam, top in zip(self.live, tops):
-            for token_id, logprob in zip(top.token_ids, top.logprobs):
+            for token_id, logprob in zip(top.token_ids[:k], top.logprobs[:k]):
                 if self._too_early(token_id, len(beam.token_ids)):
                     continue
                 candidate = beam.extended(token_id, logprob, top)
@@ -136,7 +139,7 @@ class BeamSearch:
             beam.finish_reason = "stop"
         elif token_id in p.stop_token_ids:
             beam.finish_reason, beam.stop_reason = "stop", token_id
-        elif p.stop:
+        elif p.stop and len(beam.token_ids) >= p.min_tokens:
             beam.text = self.decode(beam.token_ids)
             hits = [(beam.text.find(s), s) for s in p.stop if s in beam.text]
             if hits:

@@ -41,7 +41,7 @@ class Completions:
                     "invalid_value",
                     "prompt",
                 )
-            num_seqs = body.num_seqs()
+            num_seqs = body.n if body.use_beam_search else body.num_seqs()  # n: the beams
             # best_of ranks sequences by their cumulative log-probability
             logprobs = 0 if body.logprobs is None and num_seqs > body.n else body.logprobs
             asked_by = "n" if num_seqs == body.n else "best_of"
