@@ -106,11 +106,11 @@ class Completions:
         sse = ChunkEncoder(rid, "text_completion", int(time.time()), self.serving.model_name)
         results = [r for g in groups for r in g.results]
         prompt_ids = [g.requests[0].prompt_token_ids for g in groups]
-        num_chars = [0] * len(results)  # text sent, by choice index: where text_offset goes on
+        # by choice index: the tokens' text sent so far, where the next text_offset starts
+        num_chars = [0] * len(results)
         echo_pending = {r.index for r in results} if echoes and logprobs is not None else set()
         for result in results if echoes and not echo_pending else []:
             text = echoes[result.prompt_index]
-            num_chars[result.index] = len(text)
             choice = {"index": result.index, "text": text, "logprobs": None, "finish_reason": None}
             yield sse.event([choice])
         async with contextlib.aclosing(self.serving.merged(groups)) as outputs:
@@ -133,7 +133,8 @@ class Completions:
                     else entries.as_json(num_chars[result.index]),
                     "finish_reason": out.finish_reason,
                 }
-                num_chars[result.index] += len(text)
+                if entries is not None:
+                    num_chars[result.index] += sum(len(t) for t in entries.tokens)
                 if out.finish_reason == "error":
                     choice["error"] = out.error
                 yield sse.event([choice])

@@ -64,8 +64,9 @@ class LegacyLogprobs:
         return self
 
     def as_json(self, first_offset: int = 0) -> dict[str, Any]:
-        """`text_offset`: where each token starts in the choice's text, the first at
-        `first_offset` (a stream's text sent before)."""
+        """`text_offset`: where each token starts in the concatenation of the choice's token
+        texts, the first at `first_offset` (a stream's tokens sent before); that is the
+        choice's text wherever its tokens decode one by one as they do together."""
         offsets, at = [], first_offset
         for token in self.tokens:
             offsets.append(at)
