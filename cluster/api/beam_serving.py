@@ -15,11 +15,25 @@ from fastapi import Request as HTTPRequest
 
 from cluster.api.beam_search import BeamSearch, BeamSearchParams
 from cluster.api.errors import APIError
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.api.serving import Group, Result, Serving
 from engine.outputs import TopLogprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from routing.handoff import max_new_tokens
+
+
+async def run_to_end(
+    serving: Serving,
+    http: HTTPRequest,
+    groups: list[Group],
+    body: CompletionRequest | ChatCompletionRequest,
+) -> None:
+    """A non-streamed request's groups into their results: sampled, or beam-searched."""
+    if body.use_beam_search:
+        await run_beam_search(serving, http, groups, body.length_penalty)
+    else:
+        await serving.run_to_end(http, groups)
 
 
 async def run_beam_search(

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from cluster.api.beam_serving import run_beam_search
+from cluster.api.beam_serving import run_to_end
 from cluster.api.errors import APIError
 from cluster.api.prompt_logprobs import (
     echoed_entries,
@@ -60,22 +60,10 @@ class Completions:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._chunks(rid, groups, include_usage, body.logprobs, echoes)
             return EventStreamResponse(chunks)
-        if body.use_beam_search:
-            await run_beam_search(serving, http, groups, body.length_penalty)
-        else:
-            await serving.run_to_end(http, groups)
+        await run_to_end(serving, http, groups, body)
         results = [r for g in groups for r in best(g.results, body.n)]
         prompt_ids = [g.requests[0].prompt_token_ids for g in groups]
-        choices = [
-            {
-                "index": r.index,
-                "text": (echoes[r.prompt_index] if echoes else "") + r.text,
-                "logprobs": self._choice_logprobs(r, body.logprobs, prompt_ids, bool(echoes)),
-                "finish_reason": r.finish_reason,
-                "prompt_logprobs": prompt_logprobs_json(serving, r.prompt_logprobs),
-            }
-            for r in results
-        ]
+        choices = [self._choice(r, body.logprobs, prompt_ids, echoes) for r in results]
         return JSONResponse(
             {
                 "id": rid,
@@ -142,17 +130,30 @@ class Completions:
             yield sse.event([], usage(results))
         yield DONE
 
-    def _choice_logprobs(
-        self, result: Result, wanted: int | None, prompt_ids: list[list[int]], echo: bool
-    ) -> dict[str, Any] | None:
-        """OpenAI's legacy shape (see `cluster.api.prompt_logprobs`); with `echo`, the
-        prompt's tokens come first."""
-        if wanted is None:
-            return None
-        entries = legacy_entries(
-            self.serving, result.token_ids, result.logprobs, result.top_logprobs
-        )
-        if echo:
+    def _choice(
+        self,
+        result: Result,
+        wanted: int | None,
+        prompt_ids: list[list[int]],
+        echoes: list[str] | None,
+    ) -> dict[str, Any]:
+        """A non-streamed choice; its `logprobs` in OpenAI's legacy shape (see
+        `cluster.api.prompt_logprobs`), with `echo` the prompt's tokens first."""
+        text, logprobs = result.text, None
+        if wanted is not None:
+            logprobs = legacy_entries(
+                self.serving, result.token_ids, result.logprobs, result.top_logprobs
+            )
+        if echoes:
+            text = echoes[result.prompt_index] + text
             prompt = prompt_ids[result.prompt_index]
-            entries = echoed_entries(self.serving, prompt, result.prompt_logprobs).extend(entries)
-        return entries.as_json()
+            if logprobs is not None:
+                echoed = echoed_entries(self.serving, prompt, result.prompt_logprobs)
+                logprobs = echoed.extend(logprobs)
+        return {
+            "index": result.index,
+            "text": text,
+            "logprobs": None if logprobs is None else logprobs.as_json(),
+            "finish_reason": result.finish_reason,
+            "prompt_logprobs": prompt_logprobs_json(self.serving, result.prompt_logprobs),
+        }
