@@ -124,6 +124,7 @@ def test_chat_beam_search(base_url, client, hf):
     [
         ({"stream": True}, "use_beam_search", "use_beam_search cannot be streamed"),
         ({"n": MAX_BEAM_WIDTH + 1}, "use_beam_search", "use_beam_search takes n"),
+        ({"length_penalty": 11}, "length_penalty", "length_penalty: Input should be less"),
     ],
 )
 def test_beam_search_refusals_name_the_field(base_url, fields, param, message):

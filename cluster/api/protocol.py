@@ -117,7 +117,9 @@ class _SamplingFields(_Body):
         None, ge=0, le=MAX_LOGPROBS, description="N: each prompt token's logprob and N likeliest"
     )
     use_beam_search: bool = Field(False, description="n beams, best by length-penalized score")
-    length_penalty: FiniteFloat = Field(1.0, description="beam score: logprob sum / len**this")
+    length_penalty: FiniteFloat = Field(
+        1.0, ge=-10, le=10, description="beam score: logprob sum / len**this"
+    )
 
     @field_validator("prompt_logprobs")
     @classmethod
