@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core import EngineCore
-from engine.outputs import EngineCoreOutput, TopLogprobs
+from engine.outputs import EngineCoreOutput, PromptLogprobs, TopLogprobs
 from engine.presets import resolve_model_dir
 from engine.processor import InputProcessor, PromptType
 from engine.request import Request
@@ -36,6 +36,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs
 
     @property
     def text(self) -> str:
@@ -136,6 +137,8 @@ def merge_output(result: RequestOutput, out: EngineCoreOutput) -> bool:
     if completion.top_logprobs is not None and out.new_top_logprobs:
         completion.top_logprobs.extend(out.new_top_logprobs)
     result.num_cached_tokens = out.num_cached_tokens
+    if out.prompt_logprobs is not None:
+        result.prompt_logprobs = out.prompt_logprobs
     if out.finished:
         completion.finish_reason = out.finish_reason
         completion.stop_reason = out.stop_reason

@@ -15,10 +15,16 @@ from engine.attention import AttentionMetadata, allocate_kv_cache
 from engine.config import CacheConfig
 from engine.models.loader import ModelInfo
 from engine.models.packed_linear import pack_linears
-from engine.outputs import NewRequestData, RunnerOutput, SchedulerOutput, TopLogprobs
+from engine.outputs import (
+    NewRequestData,
+    PromptLogprobs,
+    RunnerOutput,
+    SchedulerOutput,
+    TopLogprobs,
+)
 from engine.penalties import LogitBias, LogitsAdjustments, TokenCounts
 from engine.request import MultiModalFeature
-from engine.sampler import make_generator, position_seed, sample
+from engine.sampler import make_generator, position_seed, prompt_logprobs, sample
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarCompiler, advance
 
@@ -33,6 +39,13 @@ class CachedRequestState:
     grammar: llguidance.LLMatcher | None  # advanced past every token sampled here
     block_ids: list[int]
     num_computed_tokens: int
+    num_prompt_tokens: int
+    # prompt_logprobs: positions [0, this) had theirs reported (each is reported once, also
+    # when a preempted request computes its prompt again)
+    num_prompt_logprob_positions: int = 0
+
+
+PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are held at once: [rows, vocab]
 
 
 class ModelRunner:
@@ -94,6 +107,7 @@ class ModelRunner:
             grammar=self._new_grammar(new.sampling_params),
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
+            num_prompt_tokens=len(new.prompt_token_ids),
         )
         if new.sampling_params.has_penalties:
             num_prompt = len(new.prompt_token_ids) - new.num_prior_output_tokens
@@ -129,7 +143,37 @@ class ModelRunner:
         if self.info.is_multimodal:
             self._merge_encoder_outputs(embeds, states, num_scheduled)
         hidden = self.model.forward(embeds, meta.positions, self.kv_cache, meta)  # [T, hidden]
-        return self._sample(req_ids, states, num_scheduled, hidden[meta.logits_indices])
+        prompt_lps = self._prompt_logprobs(req_ids, states, num_scheduled, hidden)
+        out = self._sample(req_ids, states, num_scheduled, hidden[meta.logits_indices])
+        out.prompt_logprobs = prompt_lps
+        return out
+
+    def _prompt_logprobs(
+        self,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        num_scheduled: list[int],
+        hidden: torch.Tensor,  # [T, hidden]: every scheduled token, request after request
+    ) -> dict[str, PromptLogprobs]:
+        """For requests asking prompt_logprobs: the prompt tokens predicted by this step's
+        positions (position p predicts token p + 1), each prompt token once."""
+        found: dict[str, PromptLogprobs] = {}
+        start = 0  # this request's first row in `hidden`
+        for rid, s, n in zip(req_ids, states, num_scheduled):
+            num_top = s.sampling_params.prompt_logprobs
+            lo = s.num_computed_tokens
+            first = max(lo, s.num_prompt_logprob_positions)
+            end = min(lo + n, s.num_prompt_tokens - 1)
+            if num_top is not None and first < end:
+                result = PromptLogprobs()
+                for a in range(first, end, PROMPT_LOGITS_ROWS):
+                    b = min(a + PROMPT_LOGITS_ROWS, end)
+                    logits = self.model.compute_logits(hidden[start + a - lo : start + b - lo])
+                    result.extend(prompt_logprobs(logits, s.token_ids[a + 1 : b + 1], num_top))
+                found[rid] = result
+                s.num_prompt_logprob_positions = end
+            start += n
+        return found
 
     def _sample(
         self,

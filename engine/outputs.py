@@ -19,6 +19,25 @@ class TopLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens, index-aligned from the second prompt token on (the
+    first has none): each token's logprob, its rank at its position (1: the likeliest), and
+    the `prompt_logprobs` likeliest there (empty tuples when none were asked)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top: list[TopLogprobs] = field(default_factory=list)
+
+    def extend(self, other: PromptLogprobs) -> None:
+        """Append the positions that follow (a later prefill chunk's)."""
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        self.ranks += other.ranks
+        self.top += other.top
+
+
+@dataclass
 class NewRequestData:
     """A request the runner has not seen (or sees again after its state was dropped)."""
 
@@ -78,6 +97,8 @@ class RunnerOutput:
     grammar_done_req_ids: set[str] = field(default_factory=set)  # grammar complete: stop
     # Index-aligned too; a request that asked for no alternatives has an empty list.
     top_logprobs: list[list[TopLogprobs]] | None = None
+    # req_id -> the prompt positions this step computed, for requests asking prompt_logprobs.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
 
 
@@ -89,6 +110,8 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[TopLogprobs] | None = None  # with logprobs > 0: one per new token
+    # With prompt_logprobs: every prompt token's, on the request's first output with tokens.
+    prompt_logprobs: PromptLogprobs | None = None
     new_text: str = ""
     finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
     stop_reason: int | str | None = None

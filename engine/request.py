@@ -6,11 +6,14 @@ import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.outputs import PromptLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -117,6 +120,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # set with FINISHED_ERROR
         self.block_hashes: list[int] = []  # hash chain of full blocks, kept by the KV manager
+        # With prompt_logprobs: those of the prompt chunks computed so far (until the first
+        # output carries them).
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.outputs import TopLogprobs
+from engine.outputs import PromptLogprobs, TopLogprobs
 from engine.penalties import LogitsAdjustments, adjust_logits
 from engine.sampling_params import SamplingParams
 
@@ -62,6 +62,23 @@ def _top_logprobs(logprobs: torch.Tensor, params: list[SamplingParams]) -> list[
         TopLogprobs(tuple(ids[:n]), tuple(vals[:n])) if n else None
         for n, ids, vals in zip(wanted, indices_list, values_list)
     ]
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: list[int], num_top: int
+) -> PromptLogprobs:
+    """Of the model's raw distribution at each position (logits: [P, vocab]), the logprob
+    and rank of the token that follows it in the prompt, and the `num_top` likeliest."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [P, vocab]
+    ids = torch.tensor(next_token_ids, dtype=torch.long, device=logits.device)  # [P]
+    chosen = logprobs.gather(1, ids.unsqueeze(1))  # [P, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1  # [P]
+    if num_top:
+        values, indices = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)  # [P, k]
+        top = [TopLogprobs(tuple(i), tuple(v)) for i, v in zip(indices.tolist(), values.tolist())]
+    else:
+        top = [TopLogprobs((), ())] * len(next_token_ids)
+    return PromptLogprobs(list(next_token_ids), chosen.squeeze(1).tolist(), ranks.tolist(), top)
 
 
 def apply_grammar_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

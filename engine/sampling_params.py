@@ -52,6 +52,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Not None: the sampled token's log-probability and those of the `logprobs` likeliest.
     logprobs: int | None = None
+    # Not None: each prompt token after the first gets its log-probability, its rank and the
+    # `prompt_logprobs` likeliest at its position (the prompt then skips the prefix cache).
+    prompt_logprobs: int | None = None
     # Penalties on tokens already seen: presence/frequency count output tokens only (OpenAI),
     # repetition counts prompt and output (vLLM's: positive logits divided, negative multiplied).
     presence_penalty: float = 0.0
@@ -92,6 +95,14 @@ class SamplingParams:
         ):
             raise ValueError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+            )
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                f"got {self.prompt_logprobs}"
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")

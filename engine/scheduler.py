@@ -45,10 +45,13 @@ from engine.outputs import (
 from engine.request import Request, RequestStatus
 from engine.scheduler_step import (
     StepState,
+    add_prompt_logprobs,
     check_stop,
     commit_encoder_inputs,
     free_consumed_encoder_inputs,
+    needs_prompt_logits_here,
     plan_encoder_inputs,
+    take_prompt_logprobs,
 )
 
 _SCHEDULED, _SKIP, _STOP = 0, 1, 2  # outcome of trying one waiting request
@@ -316,10 +319,11 @@ class Scheduler:
         kv = self.kv_cache_manager
         has_blocks = request.request_id in kv.req_to_blocks  # a landed remote load
         computed_blocks, num_computed = [], request.num_computed_tokens
-        if not has_blocks:
+        needs_prompt_logits = needs_prompt_logits_here(request)
+        if not has_blocks and not needs_prompt_logits:
             computed_blocks, num_computed = kv.get_computed_blocks(request)
         num_external, load_async = 0, False
-        if self._may_load_remote_kv(request, has_blocks):
+        if self._may_load_remote_kv(request, has_blocks) and not needs_prompt_logits:
             num_external, load_async = self.kv_connector.get_num_new_matched_tokens(
                 request, num_computed
             )
@@ -467,6 +471,7 @@ class Scheduler:
                 continue  # finished or preempted since it was scheduled
             if request.mm_features:
                 free_consumed_encoder_inputs(request, self.encoder_cache_manager)
+            add_prompt_logprobs(request, runner_output.prompt_logprobs.get(rid))
             i = index_of.get(rid)
             if i is None or not sampled[i]:
                 continue  # partial prefill: no token
@@ -505,8 +510,10 @@ class Scheduler:
         grammar_done: bool,
     ) -> EngineCoreOutput:
         """`grammar_done`: the request's grammar is complete after the last of `token_ids`."""
+        prompt_lps = None
         if not request.output_token_ids:
             self.num_prompt_tokens += request.num_prompt_tokens
+            prompt_lps = take_prompt_logprobs(request)
         new_token_ids = token_ids
         status = None
         for j, token_id in enumerate(token_ids):
@@ -523,6 +530,7 @@ class Scheduler:
             new_token_ids,
             logprobs[: len(new_token_ids)] if logprobs else None,
             top_logprobs[: len(new_token_ids)] if top_logprobs else None,
+            prompt_logprobs=prompt_lps,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             queue_time_s=request.queue_time_s,
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from connectors.base import ECConnectorBase
 from engine.encoder_cache_manager import EncoderCacheManager
-from engine.outputs import CachedRequestData, NewRequestData
+from engine.outputs import CachedRequestData, NewRequestData, PromptLogprobs
 from engine.request import Request, RequestStatus
 
 EncoderPlan = tuple[list[int], list[int]]  # (feature indices to encode, indices to load)
@@ -133,3 +133,27 @@ def free_consumed_encoder_inputs(request: Request, cache: EncoderCacheManager) -
     for i in cache.get_cached_input_ids(request):
         if request.mm_features[i].mm_hash not in pending:
             cache.free_encoder_input(request, i)
+
+
+def needs_prompt_logits_here(request: Request) -> bool:
+    """Whether the request's prompt must be computed here at every position (for its prompt
+    logprobs), rather than read from the prefix cache or a KV connector."""
+    return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids
+
+
+def add_prompt_logprobs(request: Request, chunk: PromptLogprobs | None) -> None:
+    """Keep a prefill chunk's prompt logprobs until the request's first output."""
+    if chunk is None:
+        return
+    if request.prompt_logprobs is None:
+        request.prompt_logprobs = PromptLogprobs()
+    request.prompt_logprobs.extend(chunk)
+
+
+def take_prompt_logprobs(request: Request) -> PromptLogprobs | None:
+    """For the request's first output: its prompt logprobs, when it asked for them (a
+    one-token prompt has none)."""
+    if request.sampling_params.prompt_logprobs is None:
+        return None
+    found, request.prompt_logprobs = request.prompt_logprobs, None
+    return found or PromptLogprobs()

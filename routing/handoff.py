@@ -39,6 +39,7 @@ def for_decode(request: Request, first_token: int, kv_transfer_params: dict[str,
         max_tokens=None if p.max_tokens is None else p.max_tokens - 1,
         min_tokens=max(0, p.min_tokens - 1),
         structured_outputs=structured,
+        prompt_logprobs=None,  # P computed (and reported) them
     )
     prompt = [*request.prompt_token_ids, first_token]
     return _copy(request, prompt, params, kv_transfer_params, request.num_prior_output_tokens + 1)

@@ -155,7 +155,6 @@ def test_completion_errors_are_openai_shaped_4xx(base_url, body, status, needle)
         ("completions", {"n": 2, "best_of": 1}, "best_of (1) must be at least n (2)"),
         ("completions", {"stream": True, "best_of": 3}, "best_of > n cannot be streamed"),
         ("completions", {"suffix": "end"}, "suffix is not supported"),
-        ("completions", {"logprobs": 1, "echo": True}, "echo with logprobs is not supported"),
         ("chat", {"top_logprobs": 3}, "top_logprobs needs logprobs: true"),
         ("chat", {"stream_options": {"include_usage": True}}, "stream_options is only allowed"),
     ],

@@ -14,9 +14,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from cluster.api.beam_serving import run_to_end
 from cluster.api.errors import APIError
+from cluster.api.prompt_logprobs import prompt_logprobs_json
 from cluster.api.protocol import ChatCompletionRequest
-from cluster.api.serving import Group, Serving, usage
+from cluster.api.serving import Group, Result, Serving, usage
 from cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse
 from cluster.api.tools import ToolCallParser, forced_call_schema
 from engine.outputs import TopLogprobs
@@ -36,23 +38,8 @@ class Chat:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._chunks(rid, group, include_usage, body.logprobs, tool_parser)
             return EventStreamResponse(chunks)
-        await serving.run_to_end(http, [group])
-        choices = []
-        for r in group.results:
-            message: dict[str, Any] = {"role": "assistant", "content": r.text}
-            finish_reason = r.finish_reason
-            if tool_parser is not None:
-                fields, finish_reason = tool_parser.message(r.text, finish_reason)
-                message.update(fields)
-            logprobs = self._logprobs(r.token_ids, r.logprobs, r.top_logprobs, body.logprobs)
-            choices.append(
-                {
-                    "index": r.index,
-                    "message": message,
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                }
-            )
+        await run_to_end(serving, http, [group], body)
+        choices = [self._choice(r, body, tool_parser) for r in group.results]
         return JSONResponse(
             {
                 "id": rid,
@@ -61,6 +48,8 @@ class Chat:
                 "model": serving.model_name,
                 "choices": choices,
                 "usage": usage(group.results),
+                # vLLM's place for them; each choice carries its own too
+                "prompt_logprobs": choices[0]["prompt_logprobs"],
             }
         )
 
@@ -88,6 +77,22 @@ class Chat:
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
         return group, tool_parser
+
+    def _choice(
+        self, r: Result, body: ChatCompletionRequest, tool_parser: ToolCallParser | None
+    ) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": r.text}
+        finish_reason = r.finish_reason
+        if tool_parser is not None:
+            fields, finish_reason = tool_parser.message(r.text, finish_reason)
+            message.update(fields)
+        return {
+            "index": r.index,
+            "message": message,
+            "logprobs": self._logprobs(r.token_ids, r.logprobs, r.top_logprobs, body.logprobs),
+            "finish_reason": finish_reason,
+            "prompt_logprobs": prompt_logprobs_json(self.serving, r.prompt_logprobs),
+        }
 
     def _tool_parser(self, body: ChatCompletionRequest) -> ToolCallParser | None:
         """How to read calls from the output, when the request offers tools to the model."""

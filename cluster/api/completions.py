@@ -11,11 +11,17 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from cluster.api.beam_serving import run_to_end
 from cluster.api.errors import APIError
+from cluster.api.prompt_logprobs import (
+    echoed_entries,
+    echoed_params,
+    legacy_entries,
+    prompt_logprobs_json,
+)
 from cluster.api.protocol import CompletionRequest
-from cluster.api.serving import Group, Serving, best, usage
+from cluster.api.serving import Group, Result, Serving, best, usage
 from cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse
-from engine.outputs import TopLogprobs
 
 
 class Completions:
@@ -35,11 +41,12 @@ class Completions:
                     "invalid_value",
                     "prompt",
                 )
-            num_seqs = body.num_seqs()
+            num_seqs = body.n if body.use_beam_search else body.num_seqs()  # n: the beams
             # best_of ranks sequences by their cumulative log-probability
             logprobs = 0 if body.logprobs is None and num_seqs > body.n else body.logprobs
             asked_by = "n" if num_seqs == body.n else "best_of"
             params = serving.sampling_params(body, body.max_tokens, logprobs)
+            params = echoed_params(params, body.echo, body.logprobs)
             await serving.check_grammar(params)
             groups = [
                 serving.group(j, serving.make(p, params), num_seqs, asked_by)
@@ -53,17 +60,10 @@ class Completions:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._chunks(rid, groups, include_usage, body.logprobs, echoes)
             return EventStreamResponse(chunks)
-        await serving.run_to_end(http, groups)
+        await run_to_end(serving, http, groups, body)
         results = [r for g in groups for r in best(g.results, body.n)]
-        choices = [
-            {
-                "index": r.index,
-                "text": (echoes[r.prompt_index] if echoes else "") + r.text,
-                "logprobs": self._logprobs(r.token_ids, r.logprobs, r.top_logprobs, body.logprobs),
-                "finish_reason": r.finish_reason,
-            }
-            for r in results
-        ]
+        prompt_ids = [g.requests[0].prompt_token_ids for g in groups]
+        choices = [self._choice(r, body.logprobs, prompt_ids, echoes) for r in results]
         return JSONResponse(
             {
                 "id": rid,
@@ -89,25 +89,40 @@ class Completions:
         logprobs: int | None,
         echoes: list[str] | None,
     ) -> AsyncGenerator[bytes, None]:
+        """An echo goes first; with logprobs it waits for the prompt's, which come with its
+        sequence's first output, and goes out in that chunk."""
         sse = ChunkEncoder(rid, "text_completion", int(time.time()), self.serving.model_name)
         results = [r for g in groups for r in g.results]
-        for result in results if echoes else []:
+        prompt_ids = [g.requests[0].prompt_token_ids for g in groups]
+        # by choice index: the tokens' text sent so far, where the next text_offset starts
+        num_chars = [0] * len(results)
+        echo_pending = {r.index for r in results} if echoes and logprobs is not None else set()
+        for result in results if echoes and not echo_pending else []:
             text = echoes[result.prompt_index]
             choice = {"index": result.index, "text": text, "logprobs": None, "finish_reason": None}
             yield sse.event([choice])
         async with contextlib.aclosing(self.serving.merged(groups)) as outputs:
             async for result, out in outputs:
+                text, entries = out.new_text, None
+                if logprobs is not None:
+                    ids, lps = out.new_token_ids, out.new_logprobs or []
+                    entries = legacy_entries(self.serving, ids, lps, out.new_top_logprobs or [])
+                if result.index in echo_pending:
+                    echo_pending.discard(result.index)
+                    text = echoes[result.prompt_index] + text
+                    prompt = prompt_ids[result.prompt_index]
+                    echoed = echoed_entries(self.serving, prompt, out.prompt_logprobs)
+                    entries = echoed.extend(entries)
                 choice = {
                     "index": result.index,
-                    "text": out.new_text,
-                    "logprobs": self._logprobs(
-                        out.new_token_ids,
-                        out.new_logprobs or [],
-                        out.new_top_logprobs or [],
-                        logprobs,
-                    ),
+                    "text": text,
+                    "logprobs": None
+                    if entries is None
+                    else entries.as_json(num_chars[result.index]),
                     "finish_reason": out.finish_reason,
                 }
+                if entries is not None:
+                    num_chars[result.index] += sum(len(t) for t in entries.tokens)
                 if out.finish_reason == "error":
                     choice["error"] = out.error
                 yield sse.event([choice])
@@ -115,26 +130,30 @@ class Completions:
             yield sse.event([], usage(results))
         yield DONE
 
-    def _logprobs(
+    def _choice(
         self,
-        token_ids: list[int],
-        logprobs: list[float],
-        tops: list[TopLogprobs],
+        result: Result,
         wanted: int | None,
-    ) -> dict[str, Any] | None:
-        """OpenAI's legacy shape: per token, a {token: logprob} of the likeliest `wanted`
-        and the sampled one (`tops` is empty when no alternatives were asked)."""
-        if wanted is None:
-            return None
-        tokens = [self.serving.token_text(t) for t in token_ids]
-        top_logprobs = []
-        for i, (token, lp) in enumerate(zip(tokens, logprobs)):
-            entry = dict(self.serving.alternatives(tops[i])) if tops else {}
-            entry.setdefault(token, lp)
-            top_logprobs.append(entry)
+        prompt_ids: list[list[int]],
+        echoes: list[str] | None,
+    ) -> dict[str, Any]:
+        """A non-streamed choice; its `logprobs` in OpenAI's legacy shape (see
+        `cluster.api.prompt_logprobs`), with `echo` the prompt's tokens first."""
+        text, logprobs = result.text, None
+        if wanted is not None:
+            logprobs = legacy_entries(
+                self.serving, result.token_ids, result.logprobs, result.top_logprobs
+            )
+        if echoes:
+            text = echoes[result.prompt_index] + text
+            prompt = prompt_ids[result.prompt_index]
+            if logprobs is not None:
+                echoed = echoed_entries(self.serving, prompt, result.prompt_logprobs)
+                logprobs = echoed.extend(logprobs)
         return {
-            "tokens": tokens,
-            "token_logprobs": logprobs,
-            "top_logprobs": top_logprobs,
-            "text_offset": None,
+            "index": result.index,
+            "text": text,
+            "logprobs": None if logprobs is None else logprobs.as_json(),
+            "finish_reason": result.finish_reason,
+            "prompt_logprobs": prompt_logprobs_json(self.serving, result.prompt_logprobs),
         }

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from cluster.api.beam_search import check_beam_search
 from engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -112,6 +113,25 @@ class _SamplingFields(_Body):
     response_format: ResponseFormat | None = Field(
         None, description="text (default), json_object, or json_schema: constrains the output"
     )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="N: each prompt token's logprob and N likeliest"
+    )
+    use_beam_search: bool = Field(False, description="n beams, best by length-penalized score")
+    length_penalty: FiniteFloat = Field(
+        1.0, ge=-10, le=10, description="beam score: logprob sum / len**this"
+    )
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _check_prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise unsupported("prompt_logprobs are not available with stream: true")
+        return value
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _check_beam_search(cls, value: bool, info: ValidationInfo) -> bool:
+        return check_beam_search(value, info.data)
 
     @field_validator("logit_bias")
     @classmethod
@@ -161,6 +181,7 @@ class _SamplingFields(_Body):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             structured_outputs=self.structured_outputs(),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
@@ -184,7 +205,7 @@ class CompletionRequest(_SamplingFields):
         le=MAX_LOGPROBS,
         description="N: log-probability of each sampled token and of the N likeliest",
     )
-    echo: bool = Field(False, description="prepend the prompt to the text (not with logprobs)")
+    echo: bool = Field(False, description="prepend the prompt to the text (and its logprobs)")
     suffix: str | None = Field(None, description="not supported: empty only")
     best_of: int | None = Field(
         None,
@@ -193,16 +214,6 @@ class CompletionRequest(_SamplingFields):
         description="sequences sampled per prompt (default n), of which the n with the highest "
         "cumulative log-probability are returned; not streamed when above n",
     )
-
-    @field_validator("echo")
-    @classmethod
-    def _check_echo(cls, echo: bool, info: ValidationInfo) -> bool:
-        if echo and info.data.get("logprobs") is not None:
-            raise unsupported(
-                "echo with logprobs is not supported (prompt log-probabilities are not "
-                "computed); use echo without logprobs"
-            )
-        return echo
 
     @field_validator("suffix")
     @classmethod

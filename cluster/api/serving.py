@@ -23,7 +23,7 @@ from cluster.api.metrics import GatewayMetrics
 from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from cluster.config import GatewaySettings
 from engine.multimodal import decode_data_url, load_image
-from engine.outputs import EngineCoreOutput, TopLogprobs
+from engine.outputs import EngineCoreOutput, PromptLogprobs, TopLogprobs
 from engine.request import Request as EngineRequest
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarCompiler
@@ -69,6 +69,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when alternatives were asked
+    prompt_logprobs: PromptLogprobs | None = None  # when asked (or echoed with logprobs)
     finish_reason: str | None = None
     error: str | None = None
     unavailable: bool = False  # the error was the cluster's (see EngineCoreOutput)
@@ -262,6 +263,8 @@ class Serving:
                     result.logprobs += out.new_logprobs or []
                     result.top_logprobs += out.new_top_logprobs or []
                     result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+
+                    result.prompt_logprobs = out.prompt_logprobs or result.prompt_logprobs
                     if out.finished:
                         result.finish_reason, result.error = out.finish_reason, out.error
                         result.unavailable = out.unavailable
