@@ -3,8 +3,12 @@ admission and the KV / EC connector hooks. No model and no Ray here.
 
 Queues: `running` (scheduled last step, decode or mid-prefill), `skipped_waiting` (requests
 passed over by an earlier step: deferred by the EC connector, unknown to the KV connector,
-or parked in WAITING_FOR_REMOTE_KVS holding blocks) and `waiting` (FCFS; preempted requests
-go to its front). Each step serves running first, then skipped_waiting, then waiting. A
+or parked in WAITING_FOR_REMOTE_KVS holding blocks) and `waiting`. Each step serves running
+first, then the waiting queues. The scheduling policy orders them (engine.request_queue):
+under fcfs, skipped_waiting before waiting, each in arrival order, and a preempted request
+goes to the front of `waiting`; under priority, whichever queue's head has the smaller
+(priority, arrival) key, `running` is served in that order too, and so its tail, the one
+preempted when blocks run out, is the worst-priority request (vLLM's rule). A
 pass ahead of that (`schedule_remote_loads`) parks new remote-KV requests so that their loads
 start, and may land, before the step's batch is chosen.
 
@@ -28,7 +32,6 @@ whole block table; a finished one is named once in `finished_req_ids`.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
 
 from connectors.base import ECConnectorBase, KVConnectorBase
@@ -43,6 +46,7 @@ from engine.outputs import (
     TopLogprobs,
 )
 from engine.request import Request, RequestStatus
+from engine.request_queue import RequestQueue, create_request_queue, priority_key
 from engine.scheduler_step import (
     StepState,
     check_stop,
@@ -73,9 +77,10 @@ class Scheduler:
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self._enc = (self.encoder_cache_manager, ec_connector)
 
+        self.policy = scheduler_config.scheduling_policy
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.skipped_waiting: deque[Request] = deque()
+        self.waiting: RequestQueue = create_request_queue(self.policy)
+        self.skipped_waiting: RequestQueue = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         # KV consumer: request id -> num_computed_tokens once its async load lands.
@@ -100,10 +105,15 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens, "
                 f"more than max_model_len={self.max_model_len}"
             )
+        if request.priority and self.policy != "priority":
+            raise ValueError(
+                f"priority: got {request.priority}, but this instance schedules first come, "
+                "first served (scheduling_policy 'fcfs')"
+            )
         self._check_mm_fits(request)
         request.queued_time = time.monotonic()
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add_request(request)
 
     def _check_mm_fits(self, request: Request) -> None:
         cfg = self.scheduler_config
@@ -201,7 +211,7 @@ class Scheduler:
             return None
         parked = False
         while self.waiting and len(self.running) < self.scheduler_config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek_request()
             found = self._lookup(request)
             if found is None:
                 break
@@ -215,12 +225,14 @@ class Scheduler:
                 == _STOP
             ):
                 break
-            self.skipped_waiting.append(self.waiting.popleft())
+            self.skipped_waiting.add_request(self.waiting.pop_request())
             parked = True
         return self._attach_connector_meta(SchedulerOutput.empty()) if parked else None
 
     def _schedule_running(self, st: StepState) -> None:
         running = self.running
+        if self.policy == "priority":
+            running.sort(key=priority_key)  # stable: admission order among equal keys
         kv = self.kv_cache_manager
         allocate = kv.allocate_slots
         block_size = kv.block_size if kv.enable_caching else 0
@@ -281,7 +293,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend_request(request)
         st.preempted_req_ids.add(request.request_id)
 
     def _schedule_waiting(self, st: StepState) -> None:
@@ -289,14 +301,25 @@ class Scheduler:
         while (self.skipped_waiting or self.waiting) and st.token_budget > 0:
             if len(self.running) >= max_num_seqs:
                 break
-            queue = self.skipped_waiting if self.skipped_waiting else self.waiting
-            outcome = self._try_schedule_waiting(queue[0], st)
+            queue = self._next_waiting_queue()
+            outcome = self._try_schedule_waiting(queue.peek_request(), st)
             if outcome == _STOP:
                 break
-            request = queue.popleft()
+            request = queue.pop_request()
             if outcome == _SKIP:
                 st.step_skipped.append(request)
-        self.skipped_waiting.extendleft(reversed(st.step_skipped))
+        self.skipped_waiting.prepend_requests(st.step_skipped)
+
+    def _next_waiting_queue(self) -> RequestQueue:
+        """The waiting queue (at least one is not empty) whose head is admitted next."""
+        skipped, waiting = self.skipped_waiting, self.waiting
+        if not skipped or not waiting:
+            return skipped or waiting
+        if self.policy == "priority" and priority_key(waiting.peek_request()) < priority_key(
+            skipped.peek_request()
+        ):
+            return waiting
+        return skipped
 
     def _try_schedule_waiting(self, request: Request, st: StepState) -> int:
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -603,7 +626,7 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING  # stays in skipped_waiting, prefills here
             return None
-        self.skipped_waiting.remove(request)
+        self.skipped_waiting.remove_requests((request,))
         request.status = RequestStatus.FINISHED_ERROR
         request.error = (
             f"request {rid!r}: loading its KV cache from the prefill instance failed "
@@ -637,8 +660,8 @@ class Scheduler:
             return
         gone = {id(r) for r in to_finish}
         self.running = [r for r in self.running if id(r) not in gone]
-        self.waiting = deque(r for r in self.waiting if id(r) not in gone)
-        self.skipped_waiting = deque(r for r in self.skipped_waiting if id(r) not in gone)
+        self.waiting.remove_requests(to_finish)
+        self.skipped_waiting.remove_requests(to_finish)
         for request in to_finish:
             was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             request.status = finished_status

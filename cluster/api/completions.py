@@ -42,7 +42,7 @@ class Completions:
             params = serving.sampling_params(body, body.max_tokens, logprobs)
             await serving.check_grammar(params)
             groups = [
-                serving.group(j, serving.make(p, params), num_seqs, asked_by)
+                serving.group(j, serving.make(p, params, body), num_seqs, asked_by)
                 for j, p in enumerate(prompts)
             ]
         except ValueError as exc:
