@@ -48,6 +48,11 @@ class RequestQueue(ABC):
     def __iter__(self) -> Iterator[Request]:
         """In admission order."""
 
+    def goes_before(self, other: RequestQueue) -> bool:
+        """Whether this queue's head is admitted before `other`'s (both not empty): under
+        fcfs never, so requests passed over earlier (`other`) keep their turn."""
+        return False
+
     def prepend_requests(self, requests: list[Request]) -> None:
         """Put back requests taken from this queue in the order they were taken."""
         for request in reversed(requests):
@@ -94,6 +99,9 @@ class PriorityQueue(RequestQueue):
 
     def peek_request(self) -> Request:
         return self._heap[0][-1]
+
+    def goes_before(self, other: RequestQueue) -> bool:
+        return priority_key(self.peek_request()) < priority_key(other.peek_request())
 
     def pop_request(self) -> Request:
         return heapq.heappop(self._heap)[-1]

@@ -49,9 +49,11 @@ from engine.request import Request, RequestStatus
 from engine.request_queue import RequestQueue, create_request_queue, priority_key
 from engine.scheduler_step import (
     StepState,
+    check_mm_fits,
     check_stop,
     commit_encoder_inputs,
     free_consumed_encoder_inputs,
+    load_figures,
     plan_encoder_inputs,
 )
 
@@ -110,22 +112,10 @@ class Scheduler:
                 f"priority: got {request.priority}, but this instance schedules first come, "
                 "first served (scheduling_policy 'fcfs')"
             )
-        self._check_mm_fits(request)
+        check_mm_fits(request, self.scheduler_config, self.ec_connector is not None)
         request.queued_time = time.monotonic()
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
-
-    def _check_mm_fits(self, request: Request) -> None:
-        cfg = self.scheduler_config
-        limit = cfg.encoder_cache_size
-        if self.ec_connector is None:
-            limit = min(limit, cfg.encoder_compute_budget)
-        for f in request.mm_features:
-            if f.length > limit:
-                raise ValueError(
-                    f"image {f.mm_hash!r} expands to {f.length} embeddings, more than the "
-                    f"encoder cache size / compute budget ({limit})"
-                )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
@@ -162,25 +152,7 @@ class Scheduler:
             "prefix_cache_queries": kv.num_prefix_queries,
             "prefix_cache_hits": kv.num_prefix_hits,
             "num_encoder_cache_refs": self.encoder_cache_manager.num_referenced_entries(),
-            **self._load(),
-        }
-
-    def _load(self) -> dict[str, int]:
-        """What routers balance on: prompt tokens still to prefill, and the KV tokens the
-        unfinished requests hold or will hold (prompt + the most they may generate)."""
-        queued = reserved = num_unfinished = 0
-        for r in self.requests.values():
-            if r.is_finished():
-                continue
-            num_unfinished += 1
-            queued += max(0, r.num_prompt_tokens - r.num_computed_tokens)
-            asked = r.sampling_params.max_tokens
-            room = self.max_model_len - r.num_prompt_tokens
-            reserved += r.num_prompt_tokens + (room if asked is None else min(asked, room))
-        return {
-            "num_unfinished": num_unfinished,
-            "prefill_tokens_queued": queued,
-            "kv_tokens_reserved": reserved,
+            **load_figures(self.requests.values(), self.max_model_len),
         }
 
     # ---- schedule ---------------------------------------------------------------------
@@ -301,7 +273,10 @@ class Scheduler:
         while (self.skipped_waiting or self.waiting) and st.token_budget > 0:
             if len(self.running) >= max_num_seqs:
                 break
-            queue = self._next_waiting_queue()
+            waiting, skipped = self.waiting, self.skipped_waiting
+            queue = (
+                waiting if waiting and (not skipped or waiting.goes_before(skipped)) else skipped
+            )
             outcome = self._try_schedule_waiting(queue.peek_request(), st)
             if outcome == _STOP:
                 break
@@ -309,17 +284,6 @@ class Scheduler:
             if outcome == _SKIP:
                 st.step_skipped.append(request)
         self.skipped_waiting.prepend_requests(st.step_skipped)
-
-    def _next_waiting_queue(self) -> RequestQueue:
-        """The waiting queue (at least one is not empty) whose head is admitted next."""
-        skipped, waiting = self.skipped_waiting, self.waiting
-        if not skipped or not waiting:
-            return skipped or waiting
-        if self.policy == "priority" and priority_key(waiting.peek_request()) < priority_key(
-            skipped.peek_request()
-        ):
-            return waiting
-        return skipped
 
     def _try_schedule_waiting(self, request: Request, st: StepState) -> int:
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:

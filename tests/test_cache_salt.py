@@ -178,3 +178,13 @@ def test_a_salt_that_is_not_a_non_empty_string_is_a_400(cluster, base_url, salt)
     response = httpx.post(f"{base_url}/v1/completions", json=body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "cache_salt"
+
+
+def test_a_priority_on_this_fcfs_cluster_is_a_400_naming_the_field(cluster, base_url):
+    body = {"model": cluster.model_name, "prompt": "x", "max_tokens": 1, "priority": 1}
+    response = httpx.post(f"{base_url}/v1/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "priority" and "scheduling_policy" in error["message"]
+    zero = httpx.post(f"{base_url}/v1/completions", json={**body, "priority": 0})
+    assert zero.status_code == 200, zero.text

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from cluster.cli import build_parser, load_serve_config
@@ -176,4 +177,18 @@ def test_high_priority_request_behind_a_queue_of_low_ones_finishes_first(cluster
     assert len(finished) == NUM_LOW + 1
     # At most the low requests already on P or D when it came finish before it.
     assert finished.index(high_id) <= 2, finished
+    assert_clean(cluster, baseline)
+
+
+def test_gateway_takes_priority_on_both_endpoints(cluster, base_url):
+    baseline = live_object_ids()
+    completion = {"model": cluster.model_name, "prompt": "x", "max_tokens": 2, "priority": -5}
+    chat = {**completion, "messages": [{"role": "user", "content": "hi"}]}
+    del chat["prompt"]
+    for path, body in (("completions", completion), ("chat/completions", chat)):
+        response = httpx.post(f"{base_url}/v1/{path}", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 2
+    too_big = httpx.post(f"{base_url}/v1/completions", json={**completion, "priority": 2**40})
+    assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "priority"
     assert_clean(cluster, baseline)
