@@ -1,7 +1,7 @@
 """`cache_salt`: requests with different salts never share prefix blocks, in the engine's
 prefix cache, the KV events instances publish, the router's prefix index and the P->D
 handoff; equal salts (or none) share as before. Scheduler and router without Ray, then a
-1P1D cluster through the gateway."""
+default (fcfs) 1P1D cluster through the gateway, which also refuses a priority there."""
 
 from __future__ import annotations
 
