@@ -220,7 +220,9 @@ class Front:
             self._wire_ids[flight.client_id] = request.request_id
         request = flight.request
         try:
-            plan = plan or self.policy.plan(request.prompt_token_ids, _images(request))
+            plan = plan or self.policy.plan(
+                request.prompt_token_ids, _images(request), request.cache_salt
+            )
         except RuntimeError as exc:  # no live instance
             self._finish(flight, [_error(request.request_id, str(exc), unavailable=True)])
             return
@@ -235,7 +237,7 @@ class Front:
             flight.prefill_on, flight.sources = plan.prefill_id, {plan.prefill_id, decode_id}
             self._promised[decode_id] += 1
             self.policy.on_prefill_start(
-                plan.prefill_id, request.prompt_token_ids, _images(request)
+                plan.prefill_id, request.prompt_token_ids, _images(request), request.cache_salt
             )
             self._decode_started(flight, decode_id, cached=False)  # D's KV is spoken for
             route = Route(self.replica_id, ec_handle, decode_id)
@@ -255,6 +257,7 @@ class Front:
             max_new_tokens(request, self.config.max_model_len),
             _images(request),
             cached,
+            request.cache_salt,
         )
 
     def _prefill_ended(self, flight: _Flight) -> None:
@@ -382,7 +385,9 @@ class Front:
                 return [out]
             flight.sources = {plan.decode_id}
             request = flight.request
-            self.policy.on_prompt_cached(plan.decode_id, request.prompt_token_ids, _images(request))
+            self.policy.on_prompt_cached(
+                plan.decode_id, request.prompt_token_ids, _images(request), request.cache_salt
+            )
             batch, flight.early = [out, *flight.early], []
             flight.yielded = True
             return batch

@@ -51,6 +51,7 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "block_size": (("engine", "block_size"), int),
     "max_model_len": (("engine", "max_model_len"), int),
     "max_num_seqs": (("engine", "max_num_seqs"), int),
+    "scheduling_policy": (("engine", "scheduling_policy"), str),
     "device": (("engine", "device"), str),
     "dtype": (("engine", "dtype"), str),
 }

@@ -16,10 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from engine.config import (
     DEFAULT_NUM_BLOCKS,
+    DEFAULT_SCHEDULING_POLICY,
     KV_SIZING_FIELDS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SchedulingPolicy,
     kv_sizing_fields_set,
 )
 
@@ -136,6 +138,11 @@ class EngineSettings(_Strict):
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     encoder_compute_budget: int = Field(4096, ge=1, description="encoder embeddings per step")
     encoder_cache_size: int = Field(8192, ge=1, description="encoder embeddings held at most")
+    scheduling_policy: SchedulingPolicy = Field(
+        DEFAULT_SCHEDULING_POLICY,
+        description="'fcfs': arrival order; 'priority': by each request's priority (lower "
+        "first, then arrival), preempting the worst when KV runs out",
+    )
     device: str = Field("auto", description="'auto' (cuda if present), 'cpu', 'cuda', 'cuda:N'")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto': float32 on CPU, bfloat16 on GPU"
@@ -364,11 +371,18 @@ class ClusterConfig(_Strict):
                 encoder_compute_budget=s.encoder_compute_budget,
                 encoder_cache_size=s.encoder_cache_size,
                 kv_load_failure_policy=self.connector.kv_load_failure_policy,
+                scheduling_policy=s.scheduling_policy,
             ),
             device=s.device,
             dtype=s.dtype,
             seed=s.seed,
         )
+
+    def priority_scheduling(self) -> bool:
+        """Whether every instance that schedules requests (P, D, mixed: any may join later)
+        runs the priority policy, so that a request's priority is honoured wherever it goes."""
+        roles = ("prefill", "decode", "mixed")
+        return all(self.engine_settings(r).scheduling_policy == "priority" for r in roles)
 
     def served_model_name(self, model: str) -> str:
         """The model id clients use: the configured name, else the preset or folder name of

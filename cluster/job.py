@@ -54,7 +54,8 @@ FLOAT_FIELDS = (
 BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 LIST_FIELDS = ("stop", "stop_token_ids")
 SAMPLING_FIELDS = (*INT_FIELDS, *FLOAT_FIELDS, *BOOL_FIELDS, *LIST_FIELDS)
-INPUT_KEYS = frozenset(("id", *PROMPT_KEYS, *SAMPLING_FIELDS))
+REQUEST_FIELDS = ("cache_salt", "priority")  # vLLM's, as on the HTTP API
+INPUT_KEYS = frozenset(("id", *PROMPT_KEYS, *SAMPLING_FIELDS, *REQUEST_FIELDS))
 
 ItemId = str | int
 
@@ -68,6 +69,8 @@ class JobItem:
     prompt_key: str = ""
     prompt: Any = None
     params: SamplingParams | None = None
+    cache_salt: str | None = None
+    priority: int = 0
     error: str | None = None
 
 
@@ -89,6 +92,7 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any]) -> JobItem | s
     try:
         item.prompt_key, item.prompt = _prompt_field(data)
         item.params = _sampling_params(data, defaults)
+        item.cache_salt, item.priority = _request_fields(data)
     except (TypeError, ValueError) as exc:
         item.error = str(exc)
     return item
@@ -117,6 +121,16 @@ def _sampling_params(data: dict[str, Any], defaults: dict[str, Any]) -> Sampling
     for key, value in fields.items():
         _check_type(key, value)
     return SamplingParams(**{**defaults, **fields})
+
+
+def _request_fields(data: dict[str, Any]) -> tuple[str | None, int]:
+    """The line's cache_salt (a non-empty string) and priority (an integer)."""
+    salt, priority = data.get("cache_salt"), data.get("priority", 0)
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"'cache_salt' must be a non-empty string, got {json.dumps(salt)}")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"'priority' must be an integer, got {json.dumps(priority)}")
+    return salt, priority
 
 
 def _check_type(key: str, value: Any) -> None:
@@ -286,7 +300,12 @@ async def run_one(cluster: Cluster, item: JobItem) -> dict[str, Any]:
     if item.error is not None:
         return result_line(item, error=item.error)
     try:
-        request = cluster.make_request(to_prompt(cluster, item), item.params)
+        if item.priority and not cluster.priority_scheduling:
+            raise ValueError(
+                f"'priority' {item.priority} needs the engine's scheduling_policy 'priority'"
+            )
+        prompt = to_prompt(cluster, item)
+        request = cluster.make_request(prompt, item.params, None, item.cache_salt, item.priority)
     except (TypeError, ValueError) as exc:
         return result_line(item, error=str(exc))
     result = new_request_output(request)

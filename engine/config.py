@@ -6,8 +6,14 @@ Pydantic models at the cluster boundary (cluster/config.py) convert into these.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+# fcfs: waiting requests in arrival order; priority: by (priority, arrival), and a preemption
+# takes the running request with the highest priority value (latest arrival among equals).
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES = get_args(SchedulingPolicy)
+DEFAULT_SCHEDULING_POLICY: SchedulingPolicy = "fcfs"
 
 
 DEFAULT_NUM_BLOCKS = 1024
@@ -53,6 +59,7 @@ class SchedulerConfig:
     encoder_compute_budget: int = 4096  # encoder embeddings computed per step at most
     encoder_cache_size: int = 8192  # encoder embeddings held at most
     kv_load_failure_policy: str = "recompute"  # "recompute" locally or "fail" the request
+    scheduling_policy: SchedulingPolicy = DEFAULT_SCHEDULING_POLICY
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
@@ -61,6 +68,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
                 f"got {self.kv_load_failure_policy!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
             )
 
 

@@ -2,7 +2,10 @@
 
 A full block's hash chains its parent's hash, its token ids and its extra keys (the mm_hash of
 every image whose placeholder run overlaps the block), so equal token ids with a different
-image never hit. Hashes are 128-bit BLAKE2b digests, so a crafted prompt cannot collide with
+image never hit. A request's `cache_salt` replaces the first block's parent (`root_hash`), so
+every hash of a salted chain differs from the unsalted one and from every other salt's: requests
+with different salts never share a block, while equal salts share as unsalted requests do.
+Hashes are 128-bit BLAKE2b digests, so a crafted prompt cannot collide with
 another user's prefix. They are computed once per block, as blocks fill, and kept in
 `Request.block_hashes` (they survive preemption: token ids never change).
 
@@ -21,7 +24,17 @@ from engine.block_pool import BlockPool, KVCacheBlock
 from engine.config import CacheConfig
 from engine.request import Request
 
-NONE_HASH = 0  # parent hash of a request's first block
+NONE_HASH = 0  # parent hash of an unsalted request's first block
+_SALT_DOMAIN = b"pdcluster.cache_salt\x00"  # a salted root is never a token block's digest
+
+
+def root_hash(cache_salt: str | None) -> int:
+    """The parent hash of the first block of a request with this salt."""
+    if not cache_salt:
+        return NONE_HASH
+    h = blake2b(_SALT_DOMAIN, digest_size=16)
+    h.update(cache_salt.encode())
+    return int.from_bytes(h.digest(), "little")
 
 
 def hash_block_tokens(parent_hash: int, token_ids: list[int], extra_keys: tuple = ()) -> int:
@@ -86,7 +99,7 @@ class KVCacheManager:
         num_full = num_tokens // bs
         if len(hashes) >= num_full:
             return hashes
-        parent = hashes[-1] if hashes else NONE_HASH
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
         has_mm = bool(request.mm_features)
         for i in range(len(hashes), num_full):
             start, end = i * bs, (i + 1) * bs

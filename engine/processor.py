@@ -36,6 +36,8 @@ class InputProcessor:
         prompt: PromptType,
         params: SamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
         token_ids, images = self._tokens_and_images(prompt)
         features = []
@@ -50,6 +52,8 @@ class InputProcessor:
             eos_token_ids=self.info.eos_token_ids,
             mm_features=features,
             kv_transfer_params=kv_transfer_params,
+            cache_salt=cache_salt,
+            priority=priority,
         )
 
     def _tokens_and_images(self, prompt: PromptType) -> tuple[list[int], list[Image.Image]]:

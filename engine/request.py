@@ -95,6 +95,8 @@ class Request:
         kv_transfer_params: dict[str, Any] | None = None,
         arrival_time: float | None = None,
         num_prior_output_tokens: int = 0,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -108,6 +110,9 @@ class Request:
         # The last this-many prompt tokens were generated before this instance took the
         # request over (a D continues after P's first token): penalties count them as output.
         self.num_prior_output_tokens = num_prior_output_tokens
+        # Requests share prefix blocks only when their salts are equal (None: unsalted).
+        self.cache_salt = cache_salt
+        self.priority = priority  # under the priority policy: lower is scheduled first
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

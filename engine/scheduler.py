@@ -3,8 +3,12 @@ admission and the KV / EC connector hooks. No model and no Ray here.
 
 Queues: `running` (scheduled last step, decode or mid-prefill), `skipped_waiting` (requests
 passed over by an earlier step: deferred by the EC connector, unknown to the KV connector,
-or parked in WAITING_FOR_REMOTE_KVS holding blocks) and `waiting` (FCFS; preempted requests
-go to its front). Each step serves running first, then skipped_waiting, then waiting. A
+or parked in WAITING_FOR_REMOTE_KVS holding blocks) and `waiting`. Each step serves running
+first, then the waiting queues. The scheduling policy orders them (engine.request_queue):
+under fcfs, skipped_waiting before waiting, each in arrival order, and a preempted request
+goes to the front of `waiting`; under priority, whichever queue's head has the smaller
+(priority, arrival) key, `running` is served in that order too, and so its tail, the one
+preempted when blocks run out, is the worst-priority request (vLLM's rule). A
 pass ahead of that (`schedule_remote_loads`) parks new remote-KV requests so that their loads
 start, and may land, before the step's batch is chosen.
 
@@ -28,7 +32,6 @@ whole block table; a finished one is named once in `finished_req_ids`.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
 
 from connectors.base import ECConnectorBase, KVConnectorBase
@@ -43,12 +46,15 @@ from engine.outputs import (
     TopLogprobs,
 )
 from engine.request import Request, RequestStatus
+from engine.request_queue import RequestQueue, create_request_queue, priority_key
 from engine.scheduler_step import (
     StepState,
     add_prompt_logprobs,
+    check_mm_fits,
     check_stop,
     commit_encoder_inputs,
     free_consumed_encoder_inputs,
+    load_figures,
     needs_prompt_logits_here,
     plan_encoder_inputs,
     take_prompt_logprobs,
@@ -76,9 +82,10 @@ class Scheduler:
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self._enc = (self.encoder_cache_manager, ec_connector)
 
+        self.policy = scheduler_config.scheduling_policy
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.skipped_waiting: deque[Request] = deque()
+        self.waiting: RequestQueue = create_request_queue(self.policy)
+        self.skipped_waiting: RequestQueue = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         # KV consumer: request id -> num_computed_tokens once its async load lands.
@@ -103,22 +110,15 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens, "
                 f"more than max_model_len={self.max_model_len}"
             )
-        self._check_mm_fits(request)
+        if request.priority and self.policy != "priority":
+            raise ValueError(
+                f"priority: got {request.priority}, but this instance schedules first come, "
+                "first served (scheduling_policy 'fcfs')"
+            )
+        check_mm_fits(request, self.scheduler_config, self.ec_connector is not None)
         request.queued_time = time.monotonic()
         self.requests[request.request_id] = request
-        self.waiting.append(request)
-
-    def _check_mm_fits(self, request: Request) -> None:
-        cfg = self.scheduler_config
-        limit = cfg.encoder_cache_size
-        if self.ec_connector is None:
-            limit = min(limit, cfg.encoder_compute_budget)
-        for f in request.mm_features:
-            if f.length > limit:
-                raise ValueError(
-                    f"image {f.mm_hash!r} expands to {f.length} embeddings, more than the "
-                    f"encoder cache size / compute budget ({limit})"
-                )
+        self.waiting.add_request(request)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
@@ -155,25 +155,7 @@ class Scheduler:
             "prefix_cache_queries": kv.num_prefix_queries,
             "prefix_cache_hits": kv.num_prefix_hits,
             "num_encoder_cache_refs": self.encoder_cache_manager.num_referenced_entries(),
-            **self._load(),
-        }
-
-    def _load(self) -> dict[str, int]:
-        """What routers balance on: prompt tokens still to prefill, and the KV tokens the
-        unfinished requests hold or will hold (prompt + the most they may generate)."""
-        queued = reserved = num_unfinished = 0
-        for r in self.requests.values():
-            if r.is_finished():
-                continue
-            num_unfinished += 1
-            queued += max(0, r.num_prompt_tokens - r.num_computed_tokens)
-            asked = r.sampling_params.max_tokens
-            room = self.max_model_len - r.num_prompt_tokens
-            reserved += r.num_prompt_tokens + (room if asked is None else min(asked, room))
-        return {
-            "num_unfinished": num_unfinished,
-            "prefill_tokens_queued": queued,
-            "kv_tokens_reserved": reserved,
+            **load_figures(self.requests.values(), self.max_model_len),
         }
 
     # ---- schedule ---------------------------------------------------------------------
@@ -204,7 +186,7 @@ class Scheduler:
             return None
         parked = False
         while self.waiting and len(self.running) < self.scheduler_config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek_request()
             found = self._lookup(request)
             if found is None:
                 break
@@ -218,12 +200,14 @@ class Scheduler:
                 == _STOP
             ):
                 break
-            self.skipped_waiting.append(self.waiting.popleft())
+            self.skipped_waiting.add_request(self.waiting.pop_request())
             parked = True
         return self._attach_connector_meta(SchedulerOutput.empty()) if parked else None
 
     def _schedule_running(self, st: StepState) -> None:
         running = self.running
+        if self.policy == "priority":
+            running.sort(key=priority_key)  # stable: admission order among equal keys
         kv = self.kv_cache_manager
         allocate = kv.allocate_slots
         block_size = kv.block_size if kv.enable_caching else 0
@@ -284,7 +268,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend_request(request)
         st.preempted_req_ids.add(request.request_id)
 
     def _schedule_waiting(self, st: StepState) -> None:
@@ -292,14 +276,17 @@ class Scheduler:
         while (self.skipped_waiting or self.waiting) and st.token_budget > 0:
             if len(self.running) >= max_num_seqs:
                 break
-            queue = self.skipped_waiting if self.skipped_waiting else self.waiting
-            outcome = self._try_schedule_waiting(queue[0], st)
+            waiting, skipped = self.waiting, self.skipped_waiting
+            queue = (
+                waiting if waiting and (not skipped or waiting.goes_before(skipped)) else skipped
+            )
+            outcome = self._try_schedule_waiting(queue.peek_request(), st)
             if outcome == _STOP:
                 break
-            request = queue.popleft()
+            request = queue.pop_request()
             if outcome == _SKIP:
                 st.step_skipped.append(request)
-        self.skipped_waiting.extendleft(reversed(st.step_skipped))
+        self.skipped_waiting.prepend_requests(st.step_skipped)
 
     def _try_schedule_waiting(self, request: Request, st: StepState) -> int:
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -611,7 +598,7 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING  # stays in skipped_waiting, prefills here
             return None
-        self.skipped_waiting.remove(request)
+        self.skipped_waiting.remove_requests((request,))
         request.status = RequestStatus.FINISHED_ERROR
         request.error = (
             f"request {rid!r}: loading its KV cache from the prefill instance failed "
@@ -645,8 +632,8 @@ class Scheduler:
             return
         gone = {id(r) for r in to_finish}
         self.running = [r for r in self.running if id(r) not in gone]
-        self.waiting = deque(r for r in self.waiting if id(r) not in gone)
-        self.skipped_waiting = deque(r for r in self.skipped_waiting if id(r) not in gone)
+        self.waiting.remove_requests(to_finish)
+        self.skipped_waiting.remove_requests(to_finish)
         for request in to_finish:
             was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             request.status = finished_status

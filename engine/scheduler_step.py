@@ -1,4 +1,5 @@
-"""Helpers of one scheduling step: its running state, encoder admission and stop checks.
+"""Helpers of the scheduler: one step's running state, encoder admission, stop checks, and
+the checks and load figures of its requests.
 
 Kept apart from `engine.scheduler` so that each module reads in one sitting; only the
 scheduler calls these.
@@ -6,7 +7,10 @@ scheduler calls these.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from connectors.base import ECConnectorBase
+from engine.config import SchedulerConfig
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.outputs import CachedRequestData, NewRequestData, PromptLogprobs
 from engine.request import Request, RequestStatus
@@ -157,3 +161,36 @@ def take_prompt_logprobs(request: Request) -> PromptLogprobs | None:
         return None
     found, request.prompt_logprobs = request.prompt_logprobs, None
     return found or PromptLogprobs()
+
+
+def check_mm_fits(request: Request, config: SchedulerConfig, has_ec_connector: bool) -> None:
+    """ValueError when one of the request's images can never be admitted: it expands to more
+    embeddings than the encoder cache holds (or, encoding locally, than one step computes)."""
+    limit = config.encoder_cache_size
+    if not has_ec_connector:
+        limit = min(limit, config.encoder_compute_budget)
+    for f in request.mm_features:
+        if f.length > limit:
+            raise ValueError(
+                f"image {f.mm_hash!r} expands to {f.length} embeddings, more than the "
+                f"encoder cache size / compute budget ({limit})"
+            )
+
+
+def load_figures(requests: Iterable[Request], max_model_len: int) -> dict[str, int]:
+    """What routers balance on: prompt tokens still to prefill, and the KV tokens the
+    unfinished requests hold or will hold (prompt + the most they may generate)."""
+    queued = reserved = num_unfinished = 0
+    for r in requests:
+        if r.is_finished():
+            continue
+        num_unfinished += 1
+        queued += max(0, r.num_prompt_tokens - r.num_computed_tokens)
+        asked = r.sampling_params.max_tokens
+        room = max_model_len - r.num_prompt_tokens
+        reserved += r.num_prompt_tokens + (room if asked is None else min(asked, room))
+    return {
+        "num_unfinished": num_unfinished,
+        "prefill_tokens_queued": queued,
+        "kv_tokens_reserved": reserved,
+    }

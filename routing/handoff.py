@@ -61,4 +61,6 @@ def _copy(
         kv_transfer_params=kv_transfer_params,
         arrival_time=request.arrival_time,
         num_prior_output_tokens=num_prior_output_tokens,
+        cache_salt=request.cache_salt,
+        priority=request.priority,
     )

@@ -28,6 +28,7 @@ def make_scheduler(
     encoder_compute_budget: int = 64,
     encoder_cache_size: int = 128,
     kv_load_failure_policy: str = "recompute",
+    scheduling_policy: str = "fcfs",
     kv_connector: KVConnectorBase | None = None,
     ec_connector: ECConnectorBase | None = None,
 ) -> Scheduler:
@@ -39,6 +40,7 @@ def make_scheduler(
         encoder_compute_budget=encoder_compute_budget,
         encoder_cache_size=encoder_cache_size,
         kv_load_failure_policy=kv_load_failure_policy,
+        scheduling_policy=scheduling_policy,
     )
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks)
     return Scheduler(scheduler_config, cache_config, kv_connector, ec_connector)
@@ -55,6 +57,8 @@ def make_requests(
     mm_features: list[MultiModalFeature] | None = None,
     eos_token_id: int | None = EOS,
     kv_transfer_params: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
+    priority: int = 0,
     **sampling_kwargs: Any,
 ) -> list[Request]:
     """Requests with distinct prompts (token ids 100 + 1000*i + position) unless
@@ -73,6 +77,8 @@ def make_requests(
                 if mm_features
                 else None,
                 kv_transfer_params=kv_transfer_params,
+                cache_salt=cache_salt,
+                priority=priority,
             )
         )
     return requests

@@ -118,6 +118,21 @@ def test_bad_lines_become_errors_or_warnings():
     assert by_id["chat"].params.max_tokens == 3 and by_id[7].params.max_tokens == MAX_TOKENS
 
 
+def test_lines_carry_a_cache_salt_and_a_priority():
+    lines = [
+        {"id": "a", "prompt": "x", "cache_salt": "tenant-a", "priority": -2},
+        {"id": "b", "prompt": "x"},
+        {"id": "c", "prompt": "x", "cache_salt": ""},
+        {"id": "d", "prompt": "x", "priority": 1.5},
+    ]
+    items, _ = job.read_items([json.dumps(x) for x in lines], {}, io.StringIO())
+    by_id = {item.item_id: item for item in items}
+    assert (by_id["a"].cache_salt, by_id["a"].priority) == ("tenant-a", -2)
+    assert (by_id["b"].cache_salt, by_id["b"].priority) == (None, 0)
+    assert "'cache_salt' must be a non-empty string" in by_id["c"].error
+    assert "'priority' must be an integer" in by_id["d"].error
+
+
 def test_done_ids_tolerate_a_partial_last_line(tmp_path):
     out = tmp_path / "out.jsonl"
     good = [

@@ -104,6 +104,8 @@ async def _expand(
             step,
             eos_token_ids=base.eos_token_ids,
             mm_features=base.mm_features,
+            cache_salt=base.cache_salt,  # a tenant's beams share only its own blocks
+            priority=base.priority,
         )
         for i, beam in enumerate(search.live)
     ]

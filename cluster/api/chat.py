@@ -73,7 +73,7 @@ class Chat:
                 structured = StructuredOutputsParams(json=json.dumps(forced))
                 params = dataclasses.replace(params, structured_outputs=structured)
             await serving.check_grammar(params, format_field)
-            group = serving.group(0, serving.make(prompt, params), body.n, "n")
+            group = serving.group(0, serving.make(prompt, params, body), body.n, "n")
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
         return group, tool_parser

@@ -49,7 +49,7 @@ class Completions:
             params = echoed_params(params, body.echo, body.logprobs)
             await serving.check_grammar(params)
             groups = [
-                serving.group(j, serving.make(p, params), num_seqs, asked_by)
+                serving.group(j, serving.make(p, params, body), num_seqs, asked_by)
                 for j, p in enumerate(prompts)
             ]
         except ValueError as exc:

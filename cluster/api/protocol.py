@@ -25,6 +25,8 @@ from engine.sampling_params import (
 MAX_STOP_STRINGS = 8
 MAX_SEED = 2**63 - 1
 MAX_N = 128  # sequences (n, best_of) one prompt may sample
+MAX_CACHE_SALT_CHARS = 1024
+MAX_PRIORITY = 2**31 - 1  # |priority| at most
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -132,6 +134,26 @@ class _SamplingFields(_Body):
     @classmethod
     def _check_beam_search(cls, value: bool, info: ValidationInfo) -> bool:
         return check_beam_search(value, info.data)
+
+    cache_salt: str | None = Field(
+        None,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="vLLM's: requests share cached prompt blocks only with requests of the "
+        "same salt (a tenant's caches kept apart)",
+    )
+    priority: int = Field(
+        0,
+        ge=-MAX_PRIORITY,
+        le=MAX_PRIORITY,
+        description="vLLM's: lower runs first (scheduling_policy 'priority' only; else 0)",
+    )
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_cache_salt(cls, salt: str | None) -> str | None:
+        if salt is not None and not salt:
+            raise invalid("cache_salt must be a non-empty string if given")
+        return salt
 
     @field_validator("logit_bias")
     @classmethod

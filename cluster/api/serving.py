@@ -41,10 +41,16 @@ class ClusterClient(Protocol):
     tokenizer: Tokenizer
 
     def make_request(
-        self, prompt: Any, params: SamplingParams, request_id: str
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> EngineRequest: ...
 
     kv_tokens_per_instance: int | None
+    priority_scheduling: bool  # requests may carry a non-zero priority
 
     def stream_group(
         self, requests: list[EngineRequest]
@@ -164,10 +170,23 @@ class Serving:
             )
         return text
 
-    def make(self, prompt: Any, params: SamplingParams) -> EngineRequest:
+    def make(
+        self, prompt: Any, params: SamplingParams, body: CompletionRequest | ChatCompletionRequest
+    ) -> EngineRequest:
+        """The engine request for one prompt of `body` (its cache salt and priority too)."""
+        if body.priority and not self.cluster.priority_scheduling:
+            raise APIError(
+                400,
+                f"priority: got {body.priority}, but this server schedules first come, first "
+                "served; a priority needs the engine's scheduling_policy 'priority'",
+                "invalid_value",
+                "priority",
+            )
         if isinstance(prompt, str):
             self.fits(prompt)
-        request = self.cluster.make_request(prompt, params, f"req-{uuid.uuid4().hex}")
+        request = self.cluster.make_request(
+            prompt, params, f"req-{uuid.uuid4().hex}", body.cache_salt, body.priority
+        )
         room = self.max_model_len - request.num_prompt_tokens
         if room < 1:
             raise ValueError(

@@ -83,9 +83,14 @@ class Cluster:
         prompt: PromptType,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
         request_id = request_id or f"{self._prefix}-{next(self._ids)}"
-        return self.processor.process(request_id, prompt, params or SamplingParams())
+        params = params or SamplingParams()
+        return self.processor.process(
+            request_id, prompt, params, cache_salt=cache_salt, priority=priority
+        )
 
     def stream(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
         """Outputs of one request as they arrive; leaving early aborts it everywhere."""
@@ -143,6 +148,11 @@ class Cluster:
     def max_model_len(self) -> int:
         roles = [r for r in ("decode", "mixed", "prefill") if self.config.role(r).count]
         return self.config.engine_settings(roles[0]).max_model_len
+
+    @property
+    def priority_scheduling(self) -> bool:
+        """Whether requests may carry a priority (see `ClusterConfig.priority_scheduling`)."""
+        return self.config.priority_scheduling()
 
     @property
     def kv_tokens_per_instance(self) -> int | None:
