@@ -12,6 +12,7 @@ import pytest
 import ray
 import torch
 
+from benchmarks import sim_validation
 from cluster.cli import main as cli_main
 from cluster.config import ClusterConfig
 from connectors.ray_kv import RayKVConnector, RayKVConnectorMetadata, RayKVLoad
@@ -282,3 +283,19 @@ def test_sim_cluster_aborts_while_decoding_and_cleans_up(ray_session):
 
         asyncio.run(scenario())
         assert_clean(cluster, baseline)
+
+
+def test_validation_table_marks_gaps_beyond_the_tolerance():
+    def results(ttft_p50: float, goodput: float) -> dict:
+        summary = {
+            "ttft_ms": {"p50": ttft_p50, "p90": 200.0},
+            "tpot_ms": {"p50": 50.0, "p90": 80.0},
+            "attainment": 0.9,
+        }
+        run = {"rate_rps": 0.3, "summary": summary}
+        topo = {"topology": "1P1D", "name": "x", "runs": [run]}
+        return {"topologies": [topo | {"goodput": {"interpolated_rps": goodput}}]}
+
+    rows = sim_validation.table(results(100.0, 0.30), results(130.0, 0.32)).splitlines()
+    assert rows[2].startswith("| 1P1D | 0.3 | 100 / 130 (1.30 **✗**) | 200 / 200 (1.00) |")
+    assert rows[-1] == "| 1P1D | 0.300 / 0.320 (1.07) |"
