@@ -50,28 +50,9 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.tokenizer = Tokenizer(config.model)
         self.sim_profile = read_folder_profile(config.model)
-        if self.sim_profile is None:
-            model, self.model_info = load_model(
-                config.model, self.device, self.dtype, config.scheduler.max_model_len
-            )
-            cache = size_cache(config.cache, self.model_info, self.dtype, self.device, model)
-        else:
-            self.model_info = read_model_info(config.model)
-            cache = sim_cache(config.cache, self.sim_profile)
-        self.config = config = dataclasses.replace(config, cache=cache)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
-        if self.sim_profile is None:
-            self.runner = ModelRunner(
-                model, self.model_info, config.cache, self.device, self.dtype, self.grammars
-            )
-        else:
-            self.runner = SimRunner(
-                self.sim_profile,
-                self.model_info,
-                config.cache,
-                self.tokenizer.special_ids,
-                config.sim_time_scale,
-            )
+        self.runner = self._make_runner(config)
+        self.config = config = dataclasses.replace(config, cache=self.runner_cache)
+        cache = config.cache
         logger.info(
             "KV cache: %d blocks x %d tokens, %.3f GiB on %s",
             cache.num_blocks, cache.block_size, self.runner.kv_cache.nbytes / GiB, self.device,
@@ -84,6 +65,29 @@ class EngineCore:
             if isinstance(self.runner, SimRunner):
                 kv_connector.set_modeled_transfer(self.runner.transfer_s)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def _make_runner(self, config: EngineConfig) -> ModelRunner | SimRunner:
+        """The real runner, or a simulated one for a `sim:` folder; sets `model_info`,
+        `grammars` and `runner_cache` (the cache config with its block count fixed)."""
+        if self.sim_profile is not None:
+            self.model_info = read_model_info(config.model)
+            self.runner_cache = sim_cache(config.cache, self.sim_profile)
+            self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
+            special_ids = self.tokenizer.special_ids
+            return SimRunner(
+                self.sim_profile, self.model_info, self.runner_cache, special_ids,
+                config.sim_time_scale,
+            )  # fmt: skip
+        model, self.model_info = load_model(
+            config.model, self.device, self.dtype, config.scheduler.max_model_len
+        )
+        self.runner_cache = size_cache(
+            config.cache, self.model_info, self.dtype, self.device, model
+        )
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
+        return ModelRunner(
+            model, self.model_info, self.runner_cache, self.device, self.dtype, self.grammars
+        )
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -20,7 +20,14 @@ import numpy as np
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
-from engine.sim.profile import FitReport, KVShape, SimProfile, StepCoefficients, StepShape
+from engine.sim.profile import (
+    FitReport,
+    KVShape,
+    SimProfile,
+    StepCoefficients,
+    StepShape,
+    StepTimeModel,
+)
 
 PREFILL_TOKENS = (16, 64, 256, 512, 1024)
 PREFILL_CONTEXTS = (0, 512)
@@ -134,8 +141,7 @@ def fit(points: Sequence[MeasuredPoint]) -> tuple[StepCoefficients, FitReport]:
 
 
 def report(coefficients: StepCoefficients, points: Sequence[MeasuredPoint]) -> FitReport:
-    from engine.sim.profile import StepTimeModel  # the timing half only
-
+    """Each point with its fitted time, and the max/mean relative error over them."""
     model = StepTimeModel(coefficients, 0, 1.0, 0.0)
     rows, errors = [], []
     for p in points:
