@@ -1,10 +1,12 @@
-"""`pdcluster` command line: serve, status, job, bench, generate, make-model."""
+"""`pdcluster` command line: serve, status, job, bench, generate, make-model, profile."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import platform
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,6 +21,59 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     path = make_model(args.preset, args.out)
     print(path)
     return 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from engine.sim.fit import grid, profile_model
+    from engine.sim.profile import write_profile
+
+    shapes = grid(
+        args.prefill_tokens, args.prefill_contexts, args.decode_seqs, args.decode_contexts
+    )
+    name = args.name or f"{args.model.removeprefix('preset:')}-{platform.node() or 'host'}"
+    profile = profile_model(
+        args.model,
+        name,
+        shapes,
+        args.repeats,
+        description=f"fitted by `pdcluster profile` on {platform.processor() or 'this host'} "
+        f"({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start)",
+        eos_probability=args.eos_probability,
+        link_bandwidth_bytes_per_s=args.link_bandwidth_gbs * 1e9,
+        link_latency_s=args.link_latency_ms / 1e3,
+    )
+    write_profile(profile, args.out)
+    fit = profile.fit
+    print(
+        f"{len(fit.points)} points: relative error max {fit.max_rel_error:.1%}, "
+        f"mean {fit.mean_rel_error:.1%}; wrote {args.out} (use --model sim:{args.out})"
+    )
+    return 0
+
+
+def _add_profile_parser(sub: argparse._SubParsersAction) -> None:
+    from engine.sim import fit
+
+    p = sub.add_parser(
+        "profile",
+        help="measure a real engine's step times here and fit a sim profile",
+        description="Step the real model over a grid of prefill and decode shapes, fit the "
+        "simulator's step-time model by least squares and write it as a profile JSON "
+        "(serve it with --model sim:FILE.json).",
+    )
+    p.add_argument("--model", required=True, help="model to measure (e.g. smollm2-135m)")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--name", default=None, help="profile name (default: model-host)")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per shape (median)")
+    ints = {"type": int, "nargs": "+"}
+    p.add_argument("--prefill-tokens", default=fit.PREFILL_TOKENS, **ints)
+    p.add_argument("--prefill-contexts", default=fit.PREFILL_CONTEXTS, **ints)
+    p.add_argument("--decode-seqs", default=fit.DECODE_SEQS, **ints)
+    p.add_argument("--decode-contexts", default=fit.DECODE_CONTEXTS, **ints)
+    p.add_argument("--eos-probability", type=float, default=0.0, help="per generated token")
+    p.add_argument("--link-bandwidth-gbs", type=float, default=2.0, help="P->D GB/s (modeled)")
+    p.add_argument("--link-latency-ms", type=float, default=2.0, help="per P->D transfer")
+    p.set_defaults(func=_cmd_profile)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -54,6 +109,7 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "scheduling_policy": (("engine", "scheduling_policy"), str),
     "device": (("engine", "device"), str),
     "dtype": (("engine", "dtype"), str),
+    "sim_time_scale": (("engine", "sim_time_scale"), float),
 }
 _ROLE_FLAGS = {"encoders": "encoder", "prefills": "prefill", "decodes": "decode", "mixed": "mixed"}
 
@@ -259,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", default=None, help="with --address: the pool (if several)")
     p.add_argument("--namespace", default="pdcluster", help="with --address: Ray namespace")
     p.set_defaults(func=_cmd_scale)
+
+    _add_profile_parser(sub)
 
     # `pdcluster job ...` is handed to cluster.job's own parser in main().
     sub.add_parser("job", help="batch inference: JSONL in, JSONL out (pdcluster job --help)")

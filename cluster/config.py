@@ -148,6 +148,10 @@ class EngineSettings(_Strict):
         "auto", description="'auto': float32 on CPU, bfloat16 on GPU"
     )
     seed: int = Field(0, description="seed for weights-independent randomness")
+    sim_time_scale: float | None = Field(
+        None, gt=0, description="a sim: model runs every modeled duration this many times "
+        "slower (unset: the profile's time_scale); instance stats count overrun steps",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _check_kv_sizing(self) -> EngineSettings:
@@ -376,6 +380,7 @@ class ClusterConfig(_Strict):
             device=s.device,
             dtype=s.dtype,
             seed=s.seed,
+            sim_time_scale=s.sim_time_scale,
         )
 
     def priority_scheduling(self) -> bool:

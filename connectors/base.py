@@ -8,6 +8,7 @@ model run) moves the bytes. The names mirror vLLM v1's KV and EC connectors.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,10 @@ class KVConnectorBase(ABC):
     # ---- worker side ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:  # noqa: B027
         """The instance's KV pool, [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
+
+    def set_modeled_transfer(self, transfer_s: Callable[[int], float]) -> None:  # noqa: B027
+        """A simulated model's link: a load of n tokens is reported finished no earlier than
+        `transfer_s(n)` seconds after it started (the data itself still moves for real)."""
 
     @abstractmethod
     def start_load_kv(self, metadata: Any) -> None:

