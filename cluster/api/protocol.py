@@ -273,8 +273,7 @@ class _SamplingFields(OpenAIBody):
         for kind in _GUIDED:
             value = getattr(self, f"guided_{kind}")
             if value is not None:
-                fields = {"json_" if kind == "json" else kind: value}
-                return f"guided_{kind}", StructuredOutputs(**fields).params()
+                return f"guided_{kind}", StructuredOutputs.model_validate({kind: value}).params()
         return None, None
 
     @model_validator(mode="after")
