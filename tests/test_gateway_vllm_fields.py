@@ -254,6 +254,7 @@ def test_no_op_and_unknown_fields_are_accepted_and_logged_once(base_url, caplog)
         ({"min_p": 2}, "min_p:"),
         ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
         ({"continue_final_message": True}, "continue_final_message"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
         ({"chat_template": "{% for %}"}, "chat template"),

@@ -287,8 +287,14 @@ class _SamplingFields(OpenAIBody):
         return self
 
     def prompt_truncation(self, max_model_len: int) -> int | None:
-        """SamplingParams.truncate_prompt_tokens: -1 is the context length."""
+        """SamplingParams.truncate_prompt_tokens: -1 is the context length, more than it a
+        ValueError (as vLLM)."""
         n = self.truncate_prompt_tokens
+        if n is not None and n > max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens ({n}) exceeds this model's maximum context length "
+                f"({max_model_len} tokens)"
+            )
         return max_model_len if n == -1 else n
 
     def ignored_fields(self) -> list[str]:
