@@ -78,7 +78,7 @@ def test_guidellm_benchmarks_with_no_error(tmp_path):
 
 def run_guidellm(binary: str, port: int, out_dir: Path) -> dict:
     """A synchronous run of NUM_REQUESTS synthetic chat requests; guidellm's JSON report."""
-    report = out_dir / "report.json"
+    report = out_dir / "report.json"  # kept in the test's tmp dir
     command = [
         binary, "run",
         "--backend", f"kind=openai_http,target=http://127.0.0.1:{port}",
@@ -86,7 +86,7 @@ def run_guidellm(binary: str, port: int, out_dir: Path) -> dict:
         "--constraint", f"kind=max_requests,count={NUM_REQUESTS}",
         "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
         "--tokenizer", f"kind=huggingface_auto,model={resolve_model_dir(MODEL)}",
-        "--output", f"kind=json,output_path={report}",
+        "--output", f"kind=json,path={report}",
         "--disable-console-interactive",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
