@@ -100,6 +100,7 @@ class EngineCore:
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
         self.scheduler.add_request(request)
 

@@ -27,6 +27,7 @@ from engine.request import MultiModalFeature
 from engine.sampler import make_generator, position_seed, prompt_logprobs, sample
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarCompiler, advance
+from engine.token_masks import TokenMasks
 
 
 @dataclass
@@ -39,10 +40,14 @@ class CachedRequestState:
     grammar: llguidance.LLMatcher | None  # advanced past every token sampled here
     block_ids: list[int]
     num_computed_tokens: int
-    num_prompt_tokens: int
+    num_prompt_tokens: int  # of the user's prompt: `token_ids` after it are the output
     # prompt_logprobs: positions [0, this) had theirs reported (each is reported once, also
     # when a preempted request computes its prompt again)
     num_prompt_logprob_positions: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are held at once: [rows, vocab]
@@ -107,12 +112,12 @@ class ModelRunner:
             grammar=self._new_grammar(new.sampling_params),
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
-            num_prompt_tokens=len(new.prompt_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids) - new.num_prior_output_tokens,
         )
         if new.sampling_params.has_penalties:
-            num_prompt = len(new.prompt_token_ids) - new.num_prior_output_tokens
-            prompt, prior = new.prompt_token_ids[:num_prompt], new.prompt_token_ids[num_prompt:]
-            self.token_counts.add(new.req_id, prompt, prior)
+            state = self.requests[new.req_id]
+            prompt = new.prompt_token_ids[: state.num_prompt_tokens]
+            self.token_counts.add(new.req_id, prompt, state.output_token_ids)
 
     def _new_grammar(self, params: SamplingParams) -> llguidance.LLMatcher | None:
         structured = params.structured_outputs
@@ -224,13 +229,18 @@ class ModelRunner:
         )
 
     def _adjustments(self, picked: list[CachedRequestState]) -> LogitsAdjustments | None:
-        """Logit bias and penalties of the sampling rows; None when no row has any."""
+        """Logit bias, token masks and penalties of the sampling rows; None when no row has
+        any."""
         params = [s.sampling_params for s in picked]
         bias = LogitBias.build(params, self.device)
         penalties = self.token_counts.penalties([s.req_id for s in picked], params)
-        if bias is None and penalties is None:
+        masks = None
+        if any(p.allowed_token_ids is not None or p.bad_words_token_ids for p in params):
+            outputs = [s.output_token_ids for s in picked]
+            masks = TokenMasks.build(params, outputs, self.info.vocab_size, self.device)
+        if bias is None and penalties is None and masks is None:
             return None
-        return LogitsAdjustments(bias, penalties)
+        return LogitsAdjustments(bias, penalties, masks)
 
     # ---- multimodal ------------------------------------------------------------------
     def _run_encoders(self, scheduled: dict[str, list[int]]) -> None:

@@ -1,4 +1,5 @@
-"""Logit adjustments made before sampling: logit bias, then penalties on tokens already seen.
+"""Logit adjustments made before sampling: logit bias, token masks (`engine.token_masks`),
+then penalties on tokens already seen.
 
 Both work on a step's whole batch of logits [num_reqs, vocab] with tensor ops; rows that ask
 for neither are not touched, and a batch where no row asks skips the work entirely. The
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.token_masks import TokenMasks, apply_token_masks
 
 
 @dataclass
@@ -65,12 +67,16 @@ class LogitsAdjustments:
 
     bias: LogitBias | None = None
     penalties: Penalties | None = None
+    masks: TokenMasks | None = None  # allowed tokens and bad words
 
 
 def adjust_logits(logits: torch.Tensor, adjustments: LogitsAdjustments) -> None:
-    """Apply logit bias, then penalties, to `logits` [num_reqs, vocab] in place."""
+    """Apply logit bias, token masks, then penalties, to `logits` [num_reqs, vocab] in place
+    (a masked token stays at -inf through the penalties)."""
     if adjustments.bias is not None:
         apply_logit_bias(logits, adjustments.bias)
+    if adjustments.masks is not None:
+        apply_token_masks(logits, adjustments.masks)
     if adjustments.penalties is not None:
         apply_penalties(logits, adjustments.penalties)
 

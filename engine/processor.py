@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,13 @@ class InputProcessor:
         priority: int = 0,
     ) -> Request:
         token_ids, images = self._tokens_and_images(prompt)
+        truncate = params.truncate_prompt_tokens
+        if truncate is not None and len(token_ids) > truncate:
+            if images:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
+            token_ids = token_ids[-truncate:]
+        if params.bad_words and not params.bad_words_token_ids:
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_words(params))
         features = []
         if images or (
             self.info.image_token_id is not None and self.info.image_token_id in token_ids
@@ -55,6 +63,16 @@ class InputProcessor:
             cache_salt=cache_salt,
             priority=priority,
         )
+
+    def _bad_words(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's tokenizations on its own and after a space (mid-text), as vLLM."""
+        found: dict[tuple[int, ...], None] = {}
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids:
+                    found[tuple(ids)] = None
+        return [list(ids) for ids in found]
 
     def _tokens_and_images(self, prompt: PromptType) -> tuple[list[int], list[Image.Image]]:
         if isinstance(prompt, str):

@@ -29,7 +29,7 @@ def sample(
     """Pick one token per row.
 
     logits: [num_reqs, vocab] float32, changed in place by `adjustments` (logit bias,
-    penalties). Log-probabilities, of the sampled token and of the top-N, are those of the
+    allowed tokens and bad words, penalties). Log-probabilities, of the sampled token and of the top-N, are those of the
     model's raw distribution: before logit bias, penalties, temperature, top-k and top-p
     (vLLM's default); under a grammar, of that distribution restricted to the tokens the
     grammar allows.
@@ -93,12 +93,15 @@ def apply_grammar_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 
 
 def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus) on one row of logits: [vocab]."""
+    """Temperature, then top-k, min-p and top-p (nucleus) on one row of logits: [vocab]."""
     scaled = logits / p.temperature
     if p.top_k > 0 and p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
+    if p.min_p > 0:  # the likeliest token always stays
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()  # top-p takes its share of what min-p kept
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).

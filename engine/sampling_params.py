@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most alternatives `logprobs` may ask for per token
@@ -14,7 +15,9 @@ MAX_REPETITION_PENALTY = 100.0
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """A grammar the output must match: one JSON schema (serialized), or any JSON object.
+    """A grammar the output must match, exactly one of: a JSON schema (serialized), any JSON
+    object, a regular expression, one of several strings (`choice`), or a Lark grammar
+    (llguidance's dialect, which takes vLLM's and most EBNF-style Lark grammars).
 
     `prefix_token_ids` were generated under this grammar before this request started (on a
     decode instance: the first token, sampled by prefill); the matcher consumes them first.
@@ -22,18 +25,44 @@ class StructuredOutputsParams:
 
     json: str | None = None
     json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
     prefix_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if (self.json is None) == (not self.json_object):
-            raise ValueError("structured outputs take exactly one of json and json_object")
-        if not isinstance(self.json, (str, type(None))):
-            raise ValueError("structured outputs json must be a serialized JSON schema")
+        given = [self.json, self.json_object or None, self.regex, self.choice, self.grammar]
+        if sum(g is not None for g in given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice and "
+                "grammar"
+            )
+        for name in ("json", "regex", "grammar"):
+            if not isinstance(getattr(self, name), (str, type(None))):
+                raise ValueError(f"structured outputs {name} must be a string")
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured outputs choice must be non-empty strings")
 
     @property
-    def schema(self) -> str:
-        """The JSON schema the output matches, serialized (json_object: any object)."""
-        return self.json if self.json is not None else '{"type": "object"}'
+    def kind(self) -> str:
+        """Which grammar this is: "json" (json_object too), "regex", "choice" or "grammar"."""
+        if self.regex is not None:
+            return "regex"
+        if self.choice is not None:
+            return "choice"
+        return "grammar" if self.grammar is not None else "json"
+
+    @property
+    def source(self) -> str:
+        """The grammar's text in its kind's language (choice: a regex of the alternatives;
+        json_object: the schema of any object)."""
+        if self.choice is not None:
+            return "|".join(f"({re.escape(c)})" for c in self.choice)
+        if self.json_object:
+            return '{"type": "object"}'
+        return self.json or self.regex or self.grammar or ""
 
 
 @dataclass
@@ -43,6 +72,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k filtering
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest one
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
@@ -62,7 +92,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     skip_special_tokens: bool = True
+    # With special tokens kept in the text: a space on each side of one (vLLM's default).
+    spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrain to a grammar
+    allowed_token_ids: list[int] | None = None  # not None: only these may be sampled
+    # Words never generated: the last token of each is banned wherever the output already
+    # ends with its other tokens. `bad_words_token_ids` holds their tokenizations (filled by
+    # the input processor from `bad_words`, with and without a leading space).
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    truncate_prompt_tokens: int | None = None  # not None: keep only the prompt's last N tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,8 +109,13 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self.logit_bias = dict(self.logit_bias or {})
+        self.bad_words = list(self.bad_words)
+        self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._check()
         self._check_penalties()
+        self._check_token_lists()
 
     def _check(self) -> None:
         if not _finite(self.temperature) or self.temperature < 0:
@@ -132,6 +176,20 @@ class SamplingParams:
                     f"got {bias} for token {token_id}"
                 )
 
+    def _check_token_lists(self) -> None:
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not allowed or not all(_token_id(t) for t in allowed)):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
+        if any(not ids or not all(_token_id(t) for t in ids) for ids in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty lists of token ids")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (not _token_id(truncate) or truncate < 1):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, got {truncate}")
+
     @property
     def has_penalties(self) -> bool:
         """Whether sampling needs this request's token counts."""
@@ -144,6 +202,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def _token_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _finite(x: object) -> bool:

@@ -34,7 +34,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width, padded rows included
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        # (kind, source) -> the compiled matcher, least recently used first
+        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
     @cached_property
@@ -53,26 +54,28 @@ class GrammarCompiler:
     def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher that has consumed `params.prefix_token_ids`. ValueError when the
         schema does not compile or the prefix does not match it."""
-        matcher = self._compile(params.schema).deep_copy()
+        matcher = self._compile(params.kind, params.source).deep_copy()
         if params.prefix_token_ids and not matcher.consume_tokens(list(params.prefix_token_ids)):
             raise ValueError(f"generated tokens do not match the grammar: {matcher.get_error()}")
         return matcher
 
-    def _compile(self, schema: str) -> llguidance.LLMatcher:
+    def _compile(self, kind: str, source: str) -> llguidance.LLMatcher:
+        key = (kind, source)
         with self._lock:
-            compiled = self._compiled.get(schema)
+            compiled = self._compiled.get(key)
             if compiled is not None:
-                self._compiled.move_to_end(schema)
+                self._compiled.move_to_end(key)
                 return compiled
+        what = _WHAT[kind]
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+            grammar = _grammar(kind, source)
         except ValueError as exc:
-            raise ValueError(f"invalid JSON schema: {exc}") from None
+            raise ValueError(f"invalid {what}: {exc}") from None
         compiled = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if compiled.is_error():
-            raise ValueError(f"invalid JSON schema: {compiled.get_error()}")
+            raise ValueError(f"invalid {what}: {compiled.get_error()}")
         with self._lock:
-            self._compiled[schema] = compiled
+            self._compiled[key] = compiled
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         return compiled
@@ -89,6 +92,18 @@ class GrammarCompiler:
             rows, bitmask.data_ptr(), num_words * 4, len(matchers)
         )
         return bitmask
+
+
+_WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _grammar(kind: str, source: str) -> str:
+    """llguidance's grammar of a StructuredOutputsParams' kind and source."""
+    if kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_LAYOUT)
+    if kind in ("regex", "choice"):
+        return llguidance.LLMatcher.grammar_from_regex(source)
+    return llguidance.LLMatcher.grammar_from_lark(source)
 
 
 def advance(matcher: llguidance.LLMatcher, token_id: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -62,6 +63,12 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str) -> jinja2.Template:
+    """A request's own chat template, compiled once for the requests that repeat it."""
+    return compile_chat_template(source)
+
+
 def chat_template_takes_content_parts(source: str) -> bool:
     """Whether a chat template renders a message `content` given as a list of {"type": ...}
     parts: it loops over a `content` or reads a `type` (vLLM's detection). Templates that do
@@ -76,7 +83,10 @@ def chat_template_takes_content_parts(source: str) -> bool:
             return node.arg.value
         return None
 
-    tree = jinja2.Environment(extensions=[loopcontrols]).parse(source)
+    try:
+        tree = jinja2.Environment(extensions=[loopcontrols]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return True  # rendering it fails with the template's error
     loops_over_content = any(key(loop.iter) == "content" for loop in tree.find_all(nodes.For))
     reads_type = any(key(n) == "type" for n in tree.find_all((nodes.Getattr, nodes.Getitem)))
     return loops_over_content or reads_type
@@ -175,8 +185,28 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(
+        self,
+        ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = False,
+    ) -> str:
+        """Text of `ids`; special tokens kept (`skip_special_tokens` False) are set apart by a
+        space on each side with `spaces_between_special_tokens` (vLLM's default there)."""
+        if skip_special_tokens or not spaces_between_special_tokens:
+            return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        pieces, run = [], []
+        for token_id in ids:
+            if token_id in self.special_ids:
+                if run:
+                    pieces.append(self._tokenizer.decode(run, skip_special_tokens=False))
+                    run = []
+                pieces.append(self._tokenizer.id_to_token(token_id) or "")
+            else:
+                run.append(token_id)
+        if run:
+            pieces.append(self._tokenizer.decode(run, skip_special_tokens=False))
+        return " ".join(pieces)
 
     # --- chat ---
 
@@ -191,15 +221,25 @@ class Tokenizer:
         return compile_chat_template(self._chat_template_source)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
     ) -> str:
         """Render messages (content: a string or a list of {"type": ...} parts) to a prompt.
 
         The rendered prompt already holds any BOS the template adds: encode it with
-        `add_special_tokens=False` (or use `encode_chat`).
+        `add_special_tokens=False` (or use `encode_chat`). `chat_template`: a Jinja source
+        used instead of the tokenizer's; `kwargs` are the template's other variables.
         """
         try:
-            return self._compiled_chat_template.render(
+            template = (
+                self._compiled_chat_template
+                if chat_template is None
+                else _compiled_template(chat_template)
+            )
+            return template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
@@ -236,9 +276,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Iterable[str] | str | None = (),
         include_stop_str_in_output: bool = False,
+        spaces_between_special_tokens: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = [stop] if isinstance(stop, str) else [s for s in stop or () if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -259,7 +301,9 @@ class IncrementalDetokenizer:
         return self.stop_str_hit is not None
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._tokenizer.decode(
+            ids, self._skip_special_tokens, self._spaces_between_special_tokens
+        )
 
     def _decode_new_text(self, final: bool) -> str:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])

@@ -93,3 +93,36 @@ def test_penalties_bias_and_top_logprobs_match_colocated(ray_session, model_dir)
         assert [t.token_ids for t in got_top] == [t.token_ids for t in want_top]
         for g, w in zip(got_top, want_top):
             assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+
+
+def test_vllm_sampling_fields_match_colocated(ray_session, model_dir):
+    """allowed_token_ids, bad_words (a pair whose first token P samples), min_p under a
+    seed, and special tokens kept in the text: P applies them to the first token and D to
+    the rest, token for token and text for text what one colocated engine produces."""
+    llm = LLM(model_dir, **SMALL_ENGINE)
+    prompts = mixed_prompts(with_images=False)
+    plain = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    eos = llm.tokenizer.eos_token_ids[0]
+    params = [
+        dataclasses.replace(GREEDY, bad_words_token_ids=[[ids[0], ids[1]]], bad_words=["the"])
+        for ids in plain
+    ] + [
+        dataclasses.replace(
+            GREEDY,
+            temperature=1.0,
+            seed=i,
+            min_p=0.2,
+            allowed_token_ids=sorted({*ids, eos}),
+            logit_bias={eos: 3.0},
+            skip_special_tokens=False,
+        )
+        for i, ids in enumerate(plain)
+    ]
+    expected = llm.generate(prompts * 2, params)
+    assert all(o.token_ids != ids for o, ids in zip(expected, plain))  # the bans bite
+    with start(model_dir, prefill=1, decode=1) as cluster:
+        baseline = live_object_ids()
+        outputs = cluster.generate(prompts * 2, params)
+        assert_clean(cluster, baseline)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert [o.outputs[0].text for o in outputs] == [o.outputs[0].text for o in expected]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import struct
 import zlib
 from typing import Any
@@ -419,9 +420,6 @@ def test_deeply_nested_json(http, raw):
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
-        (chat(stream_options={"include_usage": True, "extra": 1}), "extra"),
-        (chat([{"type": "text", "text": "x", "bold": True}]), "bold"),
-        (chat([{"type": "image_url", "image_url": {"url": "data:,", "size": 3}}]), "size"),
         (
             {**chat(), "messages": [{"role": "user", "content": "x", "tool_calls": []}]},
             "tool_calls",
@@ -450,6 +448,30 @@ def test_deeply_nested_json(http, raw):
 )
 def test_bad_chat_structure(http, body, needle):
     expect_error(post(http, CHAT, body), 400, needle)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (chat(stream=True, stream_options={"include_usage": True, "extra": 1}), "extra"),
+        (chat([{"type": "text", "text": "x", "bold": True}]), "bold"),
+        (completion(frobnicate={"deep": [1, 2]}), "frobnicate"),
+    ],
+)
+def test_unknown_fields_are_accepted_and_logged(http, caplog, body, field):
+    """As vLLM: a field no model declares, at any depth, is ignored, and the gateway's
+    warning for the request names it."""
+    caplog.set_level(logging.WARNING, logger="cluster.api.serving")
+    response = post(http, COMPLETIONS if "prompt" in body else CHAT, body)
+    assert response.status_code == 200, response.text[:1000]
+    assert any(
+        "ignored fields" in r.getMessage() and field in r.getMessage() for r in caplog.records
+    )
+
+
+def test_a_known_field_with_an_unknown_value_stays_a_400(http):
+    """A known field whose value we cannot honour stays a 400 naming it."""
+    expect_error(post(http, CHAT, chat(modalities=["audio"])), 400, "modalities")
 
 
 @pytest.mark.parametrize("role", ["function", "", "USER", "robot"])

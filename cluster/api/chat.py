@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import json
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -19,7 +18,7 @@ from cluster.api.errors import APIError
 from cluster.api.prompt_logprobs import prompt_logprobs_json
 from cluster.api.protocol import ChatCompletionRequest
 from cluster.api.serving import Group, Result, Serving, usage
-from cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse
+from cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse, UsageIn
 from cluster.api.tools import ToolCallParser, forced_call_schema
 from engine.outputs import TopLogprobs
 from engine.sampling_params import StructuredOutputsParams
@@ -32,12 +31,15 @@ class Chat:
     async def __call__(self, http: Request) -> Response:
         serving = self.serving
         body = await serving.parse(http, ChatCompletionRequest)
-        group, tool_parser = await self.prepare(body)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{serving.request_id(http, body)}"
+        group, tool_parser = await self.prepare(body, rid)
+        serving.log_received(rid, body, [group])
+        as_ids = body.return_tokens_as_token_ids
+        headers = {"X-Request-Id": rid}
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._chunks(rid, group, include_usage, body.logprobs, tool_parser)
-            return EventStreamResponse(chunks)
+            usage_in = UsageIn.of(body.stream_options)
+            chunks = self._chunks(rid, group, usage_in, body.logprobs, tool_parser, as_ids)
+            return EventStreamResponse(chunks, headers)
         await run_to_end(serving, http, [group], body)
         choices = [self._choice(r, body, tool_parser) for r in group.results]
         return JSONResponse(
@@ -50,30 +52,37 @@ class Chat:
                 "usage": usage(group.results),
                 # vLLM's place for them; each choice carries its own too
                 "prompt_logprobs": choices[0]["prompt_logprobs"],
-            }
+            },
+            headers=headers,
         )
 
     async def prepare(
-        self, body: ChatCompletionRequest, format_field: str = "response_format"
+        self, body: ChatCompletionRequest, rid: str, format_field: str | None = None
     ) -> tuple[Group, ToolCallParser | None]:
-        """The body's sequences, ready to run, and how to read tool calls from their output
-        (`format_field`: the body field that names the output's format, for its errors)."""
+        """The body's sequences (named after `rid`), ready to run, and how to read tool calls
+        from their output (`format_field`: the field that names the output's format, for its
+        errors, when not the chat body's own)."""
         serving = self.serving
         tool_parser = self._tool_parser(body)
         try:
-            text = serving.fits(serving.render_chat(body, tools=tool_parser is not None))
-            token_ids = serving.tokenizer.encode(text, add_special_tokens=False)
+            rendered = serving.render_chat(
+                body, body.add_generation_prompt, tool_parser is not None
+            )
+            text = serving.fits(rendered)
+            token_ids = serving.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
             images = [await serving.fetch_image(url) for url in body.image_urls()]
             prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             params = serving.sampling_params(body, body.max_new_tokens(), body.num_logprobs())
+            asked_by = format_field or body.grammar()[0]
             forced = forced_call_schema(body)
             if forced is not None:
                 structured = StructuredOutputsParams(json=json.dumps(forced))
                 params = dataclasses.replace(params, structured_outputs=structured)
-            await serving.check_grammar(params, format_field)
-            group = serving.group(0, serving.make(prompt, params, body), body.n, "n")
+                asked_by = "tools"
+            await serving.check_grammar(params, asked_by)
+            group = serving.group(0, serving.make(prompt, params, body, rid), body.n, "n")
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
         return group, tool_parser
@@ -89,7 +98,13 @@ class Chat:
         return {
             "index": r.index,
             "message": message,
-            "logprobs": self._logprobs(r.token_ids, r.logprobs, r.top_logprobs, body.logprobs),
+            "logprobs": self._logprobs(
+                r.token_ids,
+                r.logprobs,
+                r.top_logprobs,
+                body.logprobs,
+                body.return_tokens_as_token_ids,
+            ),
             "finish_reason": finish_reason,
             "prompt_logprobs": prompt_logprobs_json(self.serving, r.prompt_logprobs),
         }
@@ -106,15 +121,17 @@ class Chat:
                 "unsupported_value",
                 "tools",
             )
-        return ToolCallParser(forced=forced_call_schema(body) is not None)
+        max_calls = None if body.parallel_tool_calls else 1
+        return ToolCallParser(forced=forced_call_schema(body) is not None, max_calls=max_calls)
 
     async def _chunks(
         self,
         rid: str,
         group: Group,
-        include_usage: bool,
+        usage_in: UsageIn,
         logprobs: bool,
         tool_parser: ToolCallParser | None,
+        as_ids: bool,
     ) -> AsyncGenerator[bytes, None]:
         """With a `tool_parser`, the whole output goes out in the last chunk: as content, or
         as tool calls."""
@@ -139,13 +156,13 @@ class Chat:
                 choice = {
                     "index": result.index,
                     "delta": delta,
-                    "logprobs": self._logprobs(ids, lps, tops, logprobs),
+                    "logprobs": self._logprobs(ids, lps, tops, logprobs, as_ids),
                     "finish_reason": finish_reason,
                 }
                 if out.finish_reason == "error":
                     choice["error"] = out.error
-                yield sse.event([choice])
-        if include_usage:
+                yield sse.event([choice], usage(group.results) if usage_in.every_chunk else None)
+        if usage_in.last_chunk:
             yield sse.event([], usage(group.results))
         yield DONE
 
@@ -155,6 +172,7 @@ class Chat:
         logprobs: list[float],
         tops: list[TopLogprobs],
         wanted: bool,
+        as_ids: bool = False,
     ) -> dict[str, Any] | None:
         """Chat's shape: per token its text, logprob and bytes, and its alternatives (`tops`
         is empty when no alternatives were asked)."""
@@ -162,8 +180,8 @@ class Chat:
             return None
         content = []
         for i, (token_id, lp) in enumerate(zip(token_ids, logprobs)):
-            entry = _entry(self.serving.token_text(token_id), lp)
-            alternatives = self.serving.alternatives(tops[i]) if tops else []
+            entry = _entry(self.serving.token_text(token_id, as_ids), lp)
+            alternatives = self.serving.alternatives(tops[i], as_ids) if tops else []
             entry["top_logprobs"] = [_entry(t, alt_lp) for t, alt_lp in alternatives]
             content.append(entry)
         return {"content": content}

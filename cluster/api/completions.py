@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -21,7 +20,7 @@ from cluster.api.prompt_logprobs import (
 )
 from cluster.api.protocol import CompletionRequest
 from cluster.api.serving import Group, Result, Serving, best, usage
-from cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse
+from cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse, UsageIn
 
 
 class Completions:
@@ -31,6 +30,7 @@ class Completions:
     async def __call__(self, http: Request) -> Response:
         serving = self.serving
         body = await serving.parse(http, CompletionRequest)
+        rid = f"cmpl-{serving.request_id(http, body)}"
         try:
             prompts = body.prompts()
             limit = serving.settings.max_batch_prompts
@@ -47,23 +47,27 @@ class Completions:
             asked_by = "n" if num_seqs == body.n else "best_of"
             params = serving.sampling_params(body, body.max_tokens, logprobs)
             params = echoed_params(params, body.echo, body.logprobs)
-            await serving.check_grammar(params)
+            await serving.check_grammar(params, body.grammar()[0])
             groups = [
-                serving.group(j, serving.make(p, params, body), num_seqs, asked_by)
+                serving.group(
+                    j, serving.make(self._tokens(p, body), params, body, rid), num_seqs, asked_by
+                )
                 for j, p in enumerate(prompts)
             ]
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
+        serving.log_received(rid, body, groups)
         echoes = [self._echo(p) for p in prompts] if body.echo else None
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        as_ids = body.return_tokens_as_token_ids
+        headers = {"X-Request-Id": rid}
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._chunks(rid, groups, include_usage, body.logprobs, echoes)
-            return EventStreamResponse(chunks)
+            usage_in = UsageIn.of(body.stream_options)
+            chunks = self._chunks(rid, groups, usage_in, body.logprobs, echoes, as_ids)
+            return EventStreamResponse(chunks, headers)
         await run_to_end(serving, http, groups, body)
         results = [r for g in groups for r in best(g.results, body.n)]
         prompt_ids = [g.requests[0].prompt_token_ids for g in groups]
-        choices = [self._choice(r, body.logprobs, prompt_ids, echoes) for r in results]
+        choices = [self._choice(r, body.logprobs, prompt_ids, echoes, as_ids) for r in results]
         return JSONResponse(
             {
                 "id": rid,
@@ -72,8 +76,18 @@ class Completions:
                 "model": serving.model_name,
                 "choices": choices,
                 "usage": usage([r for g in groups for r in g.results]),
-            }
+            },
+            headers=headers,
         )
+
+    def _tokens(self, prompt: str | list[int], body: CompletionRequest) -> str | list[int]:
+        """A text prompt as token ids when it gets no special tokens (add_special_tokens)."""
+        if isinstance(prompt, list) or body.add_special_tokens:
+            return prompt
+        tokens = self.serving.tokenizer.encode(self.serving.fits(prompt), add_special_tokens=False)
+        if not tokens:
+            raise ValueError("prompt is empty")
+        return tokens
 
     def _echo(self, prompt: str | list[int]) -> str:
         """The prompt as `echo` puts it before a completion's text."""
@@ -85,9 +99,10 @@ class Completions:
         self,
         rid: str,
         groups: list[Group],
-        include_usage: bool,
+        usage_in: UsageIn,
         logprobs: int | None,
         echoes: list[str] | None,
+        as_ids: bool,
     ) -> AsyncGenerator[bytes, None]:
         """An echo goes first; with logprobs it waits for the prompt's, which come with its
         sequence's first output, and goes out in that chunk."""
@@ -106,12 +121,13 @@ class Completions:
                 text, entries = out.new_text, None
                 if logprobs is not None:
                     ids, lps = out.new_token_ids, out.new_logprobs or []
-                    entries = legacy_entries(self.serving, ids, lps, out.new_top_logprobs or [])
+                    tops = out.new_top_logprobs or []
+                    entries = legacy_entries(self.serving, ids, lps, tops, as_ids)
                 if result.index in echo_pending:
                     echo_pending.discard(result.index)
                     text = echoes[result.prompt_index] + text
                     prompt = prompt_ids[result.prompt_index]
-                    echoed = echoed_entries(self.serving, prompt, out.prompt_logprobs)
+                    echoed = echoed_entries(self.serving, prompt, out.prompt_logprobs, as_ids)
                     entries = echoed.extend(entries)
                 choice = {
                     "index": result.index,
@@ -125,8 +141,8 @@ class Completions:
                     num_chars[result.index] += sum(len(t) for t in entries.tokens)
                 if out.finish_reason == "error":
                     choice["error"] = out.error
-                yield sse.event([choice])
-        if include_usage:
+                yield sse.event([choice], usage(results) if usage_in.every_chunk else None)
+        if usage_in.last_chunk:
             yield sse.event([], usage(results))
         yield DONE
 
@@ -136,19 +152,20 @@ class Completions:
         wanted: int | None,
         prompt_ids: list[list[int]],
         echoes: list[str] | None,
+        as_ids: bool,
     ) -> dict[str, Any]:
         """A non-streamed choice; its `logprobs` in OpenAI's legacy shape (see
         `cluster.api.prompt_logprobs`), with `echo` the prompt's tokens first."""
         text, logprobs = result.text, None
         if wanted is not None:
             logprobs = legacy_entries(
-                self.serving, result.token_ids, result.logprobs, result.top_logprobs
+                self.serving, result.token_ids, result.logprobs, result.top_logprobs, as_ids
             )
         if echoes:
             text = echoes[result.prompt_index] + text
             prompt = prompt_ids[result.prompt_index]
             if logprobs is not None:
-                echoed = echoed_entries(self.serving, prompt, result.prompt_logprobs)
+                echoed = echoed_entries(self.serving, prompt, result.prompt_logprobs, as_ids)
                 logprobs = echoed.extend(logprobs)
         return {
             "index": result.index,

@@ -75,25 +75,30 @@ class LegacyLogprobs:
 
 
 def legacy_entries(
-    serving: Serving, token_ids: list[int], logprobs: list[float], tops: list[TopLogprobs]
+    serving: Serving,
+    token_ids: list[int],
+    logprobs: list[float],
+    tops: list[TopLogprobs],
+    as_ids: bool = False,
 ) -> LegacyLogprobs:
     """Generated tokens: each with its logprob and a {token: logprob} of its alternatives and
-    itself (`tops` is empty when no alternatives were asked)."""
+    itself (`tops` is empty when no alternatives were asked; `as_ids`: tokens spelled
+    "token_id:N")."""
     out = LegacyLogprobs()
     for i, (token_id, lp) in enumerate(zip(token_ids, logprobs)):
-        token = serving.token_text(token_id)
-        entry = dict(serving.alternatives(tops[i])) if tops else {}
+        token = serving.token_text(token_id, as_ids)
+        entry = dict(serving.alternatives(tops[i], as_ids)) if tops else {}
         entry.setdefault(token, lp)
         out.add(token, lp, entry)
     return out
 
 
 def echoed_entries(
-    serving: Serving, prompt_token_ids: list[int], found: PromptLogprobs | None
+    serving: Serving, prompt_token_ids: list[int], found: PromptLogprobs | None, as_ids: bool
 ) -> LegacyLogprobs:
     """An echoed prompt's tokens: the first without a logprob, the others with theirs."""
     out = LegacyLogprobs()
-    out.add(serving.token_text(prompt_token_ids[0]), None, None)
+    out.add(serving.token_text(prompt_token_ids[0], as_ids), None, None)
     if found is not None:
-        out.extend(legacy_entries(serving, found.token_ids, found.logprobs, found.top))
+        out.extend(legacy_entries(serving, found.token_ids, found.logprobs, found.top, as_ids))
     return out

@@ -1,7 +1,9 @@
-"""OpenAI-compatible request bodies (pydantic, strict) and their mapping to SamplingParams.
+"""OpenAI-compatible request bodies, vLLM's fields included, and their mapping to
+SamplingParams.
 
-Unknown fields are rejected with a 400 naming them; fields OpenAI clients commonly send
-are accepted, and those whose non-default values we do not implement are refused clearly.
+As vLLM's, the bodies accept any field: one we do not know, or one that means nothing on
+this server (`NO_OP_FIELDS`), is listed by `ignored_fields` (the gateway logs them); a known
+field with a value we cannot honour is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -10,9 +12,18 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
 from cluster.api.beam_search import check_beam_search
+from cluster.api.messages import (
+    ChatMessage,
+    ImagePart,
+    NamedToolChoice,
+    OpenAIBody,
+    Tool,
+    invalid,
+    template_messages,
+    unsupported,
+)
 from engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -31,32 +42,34 @@ MAX_PRIORITY = 2**31 - 1  # |priority| at most
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
+# Fields a client may send that mean nothing on a self-hosted server: accepted and ignored.
+NO_OP_FIELDS = (
+    "user", "store", "metadata", "service_tier", "mm_processor_kwargs", "vllm_xargs", "modalities"
+)  # fmt: skip
+
+
 class _Body(BaseModel):
+    """Our own (non-OpenAI) bodies: a typo is a 400."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-# Validation errors whose message is the whole story: the gateway shows it as is.
-def unsupported(message: str) -> PydanticCustomError:
-    return PydanticCustomError("unsupported_value", message)
-
-
-def invalid(message: str) -> PydanticCustomError:
-    return PydanticCustomError("invalid_value", message)
-
-
-class StreamOptions(_Body):
+class StreamOptions(OpenAIBody):
     include_usage: bool = Field(False, description="send a last chunk carrying usage")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's: usage so far in every chunk too"
+    )
 
 
-class TextFormat(_Body):
+class TextFormat(OpenAIBody):
     type: Literal["text"]
 
 
-class JSONObjectFormat(_Body):
+class JSONObjectFormat(OpenAIBody):
     type: Literal["json_object"]
 
 
-class JSONSchema(_Body):
+class JSONSchema(OpenAIBody):
     name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$", description="the schema's name")
     description: str | None = Field(None, description="what the output is for")
     schema_: dict[str, Any] | None = Field(
@@ -65,7 +78,7 @@ class JSONSchema(_Body):
     strict: bool | None = Field(None, description="accepted: the output always follows the schema")
 
 
-class JSONSchemaFormat(_Body):
+class JSONSchemaFormat(OpenAIBody):
     type: Literal["json_schema"]
     json_schema: JSONSchema
 
@@ -75,7 +88,42 @@ ResponseFormat = Annotated[
 ]
 
 
-class _SamplingFields(_Body):
+class StructuredOutputs(OpenAIBody):
+    """vLLM's `structured_outputs`: exactly one grammar the output must match."""
+
+    json_: dict[str, Any] | str | None = Field(
+        None, alias="json", description="a JSON schema (an object, or its text)"
+    )
+    regex: str | None = Field(None, min_length=1, description="a regular expression")
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, max_length=1024, description="the output is one of these strings"
+    )
+    grammar: str | None = Field(None, min_length=1, description="a Lark grammar")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k)]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise invalid(
+                "structured_outputs: give exactly one of json, regex, choice, grammar and "
+                f"json_object (got {', '.join(g.rstrip('_') for g in given) or 'none'})"
+            )
+        return self
+
+    def params(self) -> StructuredOutputsParams:
+        schema = self.json_
+        return StructuredOutputsParams(
+            json=json.dumps(schema) if isinstance(schema, dict) else schema,
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            choice=tuple(self.choice) if self.choice is not None else None,
+            grammar=self.grammar,
+        )
+
+
+class _SamplingFields(OpenAIBody):
     """Fields shared by both endpoints (OpenAI's, plus vLLM's top_k/min_tokens/ignore_eos)."""
 
     model: str = Field(..., min_length=1, max_length=256, description="served model id")
@@ -155,6 +203,49 @@ class _SamplingFields(_Body):
             raise invalid("cache_salt must be a non-empty string if given")
         return salt
 
+    min_p: FiniteFloat = Field(
+        0.0, ge=0, le=1, description="drop tokens less likely than min_p times the likeliest"
+    )
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        None, max_length=64, description="words never generated"
+    )
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, max_length=1_000_000, description="only these tokens may be sampled"
+    )
+    include_stop_str_in_output: bool = Field(False, description="keep the stop string matched")
+    skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
+    spaces_between_special_tokens: bool = Field(
+        True, description="special tokens kept in the text have a space on each side"
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="keep only the prompt's last N tokens (-1: the context length)"
+    )
+    return_tokens_as_token_ids: bool = Field(
+        False, description='logprob tokens as "token_id:N" instead of their text'
+    )
+    request_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="names the request in the response id and the logs (X-Request-Id wins)",
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's: json, regex, choice or grammar the output matches"
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="structured_outputs.json")
+    guided_regex: str | None = Field(None, min_length=1, description="structured_outputs.regex")
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description="structured_outputs.choice"
+    )
+    guided_grammar: str | None = Field(None, min_length=1, description="structured_outputs.grammar")
+    store: bool | None = Field(None, description="ignored: nothing is stored")
+    metadata: dict[str, Any] | None = Field(None, description="ignored")
+    service_tier: str | None = Field(None, description="ignored: one tier")
+    mm_processor_kwargs: dict[str, Any] | None = Field(
+        None, description="ignored: images are preprocessed with the model's own settings"
+    )
+    vllm_xargs: dict[str, Any] | None = Field(None, description="ignored: no plugins here")
+
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -202,18 +293,79 @@ class _SamplingFields(_Body):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-            structured_outputs=self.structured_outputs(),
+            structured_outputs=self.grammar()[1],
+            min_p=self.min_p,
+            bad_words=list(self.bad_words or []),
+            allowed_token_ids=self.allowed_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             prompt_logprobs=self.prompt_logprobs,
         )
 
-    def structured_outputs(self) -> StructuredOutputsParams | None:
-        """The grammar `response_format` asks for (its schema is checked by compiling it)."""
+    def grammar(self) -> tuple[str | None, StructuredOutputsParams | None]:
+        """(the field that asked, the grammar) of the output, from response_format,
+        structured_outputs or a guided_* alias (its schema is checked by compiling it)."""
         fmt = self.response_format
         if isinstance(fmt, JSONObjectFormat):
-            return StructuredOutputsParams(json_object=True)
+            return "response_format", StructuredOutputsParams(json_object=True)
         if isinstance(fmt, JSONSchemaFormat):
-            return StructuredOutputsParams(json=json.dumps(fmt.json_schema.schema_ or {}))
-        return None
+            schema = json.dumps(fmt.json_schema.schema_ or {})
+            return "response_format", StructuredOutputsParams(json=schema)
+        if self.structured_outputs is not None:
+            return "structured_outputs", self.structured_outputs.params()
+        for kind in _GUIDED:
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                return f"guided_{kind}", StructuredOutputs.model_validate({kind: value}).params()
+        return None, None
+
+    @model_validator(mode="after")
+    def _one_grammar_field(self) -> _SamplingFields:
+        asked = ["structured_outputs"] * (self.structured_outputs is not None)
+        asked += [f"guided_{k}" for k in _GUIDED if getattr(self, f"guided_{k}") is not None]
+        if isinstance(self.response_format, (JSONObjectFormat, JSONSchemaFormat)):
+            asked.append("response_format")
+        if len(asked) > 1:
+            raise invalid(f"{asked[1]}: only one of {', '.join(asked)} may constrain the output")
+        if asked and self.use_beam_search:
+            raise unsupported(f"use_beam_search cannot take a {asked[0]}")
+        return self
+
+    def prompt_truncation(self, max_model_len: int) -> int | None:
+        """SamplingParams.truncate_prompt_tokens: -1 is the context length, more than it a
+        ValueError (as vLLM)."""
+        n = self.truncate_prompt_tokens
+        if n is not None and n > max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens ({n}) exceeds this model's maximum context length "
+                f"({max_model_len} tokens)"
+            )
+        return max_model_len if n == -1 else n
+
+    def ignored_fields(self) -> list[str]:
+        """Fields this server does not act on: the no-op ones sent, and every unknown one
+        (at any depth, dotted)."""
+        return [f for f in NO_OP_FIELDS if f in self.model_fields_set] + unknown_fields(self)
+
+
+_GUIDED = ("json", "regex", "choice", "grammar")
+
+
+def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """The fields of `model` and of the models inside it that no model declares, dotted."""
+    found = [prefix + key for key in model.model_extra or {}]
+    for name in model.model_fields_set:
+        found += _unknown_in(getattr(model, name), f"{prefix}{name}")
+    return found
+
+
+def _unknown_in(value: Any, path: str) -> list[str]:
+    if isinstance(value, BaseModel):
+        return unknown_fields(value, path + ".")
+    if isinstance(value, list):
+        return [f for i, item in enumerate(value) for f in _unknown_in(item, f"{path}.{i}")]
+    return []
 
 
 class CompletionRequest(_SamplingFields):
@@ -236,6 +388,7 @@ class CompletionRequest(_SamplingFields):
         description="sequences sampled per prompt (default n), of which the n with the highest "
         "cumulative log-probability are returned; not streamed when above n",
     )
+    add_special_tokens: bool = Field(True, description="a text prompt gets BOS and the like")
 
     @field_validator("suffix")
     @classmethod
@@ -269,75 +422,6 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-class ImageURL(_Body):
-    url: str = Field(..., min_length=1, description="data:image/...;base64,... (or allowed host)")
-    detail: Literal["auto", "low", "high"] | None = None
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class ImagePart(_Body):
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
-
-
-FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
-
-
-class FunctionDefinition(_Body):
-    name: str = Field(..., pattern=FUNCTION_NAME, description="the function's name")
-    description: str | None = Field(None, description="what it does, for the model")
-    parameters: dict[str, Any] | None = Field(None, description="JSON schema of its arguments")
-    strict: bool | None = Field(None, description="accepted; forced calls follow the schema")
-
-
-class Tool(_Body):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(_Body):
-    name: str = Field(..., pattern=FUNCTION_NAME)
-
-
-class NamedToolChoice(_Body):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class FunctionCall(_Body):
-    name: str = Field(..., pattern=FUNCTION_NAME)
-    arguments: str = Field(..., description="the arguments as a JSON text")
-
-
-class ToolCall(_Body):
-    id: str = Field(..., max_length=256)
-    type: Literal["function"]
-    function: FunctionCall
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = Field(None, max_length=256)
-    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's earlier calls")
-    tool_call_id: str | None = Field(None, max_length=256, description="a tool's answer to")
-
-    @model_validator(mode="after")
-    def _check_tool_fields(self) -> ChatMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise invalid(f"tool_calls: only an assistant message has them, not role {self.role!r}")
-        if (self.tool_call_id is None) == (self.role == "tool"):
-            raise invalid('tool_call_id: a message of role "tool" needs one, and only it')
-        return self
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=1024)
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias")
@@ -350,6 +434,27 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default auto with tools; required or a named one forces a call"
     )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call returned")
+    add_special_tokens: bool = Field(
+        False, description="add BOS and the like to the rendered prompt (templates add theirs)"
+    )
+    add_generation_prompt: bool = Field(True, description="end the prompt with the reply's cue")
+    continue_final_message: bool = Field(
+        False, description="the reply continues the last message (without add_generation_prompt)"
+    )
+    chat_template: str | None = Field(
+        None, min_length=1, max_length=1 << 16, description="a Jinja template used instead"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='variables for the template, e.g. {"enable_thinking": false}'
+    )
+    documents: list[dict[str, Any]] | None = Field(
+        None, max_length=1024, description="RAG documents, passed to the template"
+    )
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="passed to the template"
+    )
+    modalities: list[str] | None = Field(None, description='output kinds: ["text"] only')
 
     @model_validator(mode="after")
     def _check_tool_choice(self) -> ChatCompletionRequest:
@@ -359,9 +464,31 @@ class ChatCompletionRequest(_SamplingFields):
             raise invalid("tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise invalid(f"tool_choice names {choice.function.name!r}, which is not in tools")
-        if choice not in (None, "none", "auto") and self.response_format is not None:
-            raise invalid("a forced tool call (tool_choice) cannot take a response_format too")
+        asked = self.grammar()[0]
+        if choice not in (None, "none", "auto") and asked is not None:
+            raise invalid(f"a forced tool call (tool_choice) cannot take a {asked} too")
         return self
+
+    @model_validator(mode="after")
+    def _check_rendering(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid(
+                "continue_final_message: cannot be true with add_generation_prompt (set it false)"
+            )
+        if any(m != "text" for m in self.modalities or []):
+            other = next(m for m in self.modalities or [] if m != "text")
+            raise unsupported(f"modalities: only text output is supported, not {other!r}")
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The variables the chat template gets besides messages and tools: the request's
+        chat_template_kwargs, with documents and reasoning_effort when sent."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
     def calls_tools(self) -> bool:
         """Whether the prompt offers the tools and the output is parsed for calls."""
@@ -394,44 +521,7 @@ class ChatCompletionRequest(_SamplingFields):
         ]
 
 
-def template_messages(
-    messages: list[ChatMessage], content_parts: bool = True
-) -> list[dict[str, Any]]:
-    """Messages for the chat template: images become {"type": "image"} parts. For a
-    template that takes string content only (`content_parts` False), text parts are
-    joined by newlines into one string, and an image part is refused."""
-    out = []
-    for m in messages:
-        content: Any = m.content
-        if isinstance(content, list) and content_parts:
-            content = [
-                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
-                for p in content
-            ]
-        elif isinstance(content, list):
-            if not all(isinstance(p, TextPart) for p in content):
-                raise ValueError("this model's chat template takes text content only")
-            content = "\n".join(p.text for p in content)
-        message: dict[str, Any] = {"role": m.role, "content": content}
-        if m.tool_calls:
-            message["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
-        if m.tool_call_id is not None:
-            message["tool_call_id"] = m.tool_call_id
-        out.append(message)
-    return out
-
-
-def _template_tool_call(call: ToolCall) -> dict[str, Any]:
-    """Chat templates take a call's arguments as a mapping (transformers' convention)."""
-    try:
-        arguments: Any = json.loads(call.function.arguments)
-    except ValueError:
-        arguments = call.function.arguments
-    function = {"name": call.function.name, "arguments": arguments}
-    return {"id": call.id, "type": "function", "function": function}
-
-
-class TokenizeRequest(_Body):
+class TokenizeRequest(OpenAIBody):
     """`POST /tokenize` (vLLM's): a `prompt`, or chat `messages` rendered by the template."""
 
     model: str | None = Field(None, min_length=1, max_length=256, description="served model id")
@@ -452,7 +542,7 @@ class TokenizeRequest(_Body):
         return template_messages(self.messages or [], content_parts)
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(OpenAIBody):
     """`POST /detokenize` (vLLM's): token ids back to text, special tokens included."""
 
     model: str | None = Field(None, min_length=1, max_length=256, description="served model id")

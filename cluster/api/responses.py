@@ -48,8 +48,9 @@ class Responses:
             chat_body = body.chat_request()
         except ValidationError as exc:  # a tool_choice the tools do not allow
             raise APIError(400, exc.errors()[0]["msg"], "invalid_value", "tool_choice") from None
-        group, tool_parser = await self.chat.prepare(chat_body, "text.format")
-        draft = Draft(f"resp_{uuid.uuid4().hex}", time.time(), body, group, self.serving.model_name)
+        rid = f"resp_{self.serving.request_id(http, chat_body)}"
+        group, tool_parser = await self.chat.prepare(chat_body, rid, "text.format")
+        draft = Draft(rid, time.time(), body, group, self.serving.model_name)
         if body.stream:
             return EventStreamResponse(self._events(draft, tool_parser))
         await self.serving.run_to_end(http, [group])

@@ -23,28 +23,30 @@ from pydantic import (
     model_validator,
 )
 
-from cluster.api.protocol import (
+from cluster.api.messages import (
     FUNCTION_NAME,
-    ChatCompletionRequest,
     ChatMessage,
     ContentPart,
-    FiniteFloat,
     FunctionCall,
     FunctionDefinition,
     FunctionName,
     ImagePart,
     ImageURL,
-    JSONObjectFormat,
-    JSONSchema,
-    JSONSchemaFormat,
     NamedToolChoice,
-    ResponseFormat,
-    TextFormat,
     TextPart,
     Tool,
     ToolCall,
     invalid,
     unsupported,
+)
+from cluster.api.protocol import (
+    ChatCompletionRequest,
+    FiniteFloat,
+    JSONObjectFormat,
+    JSONSchema,
+    JSONSchemaFormat,
+    ResponseFormat,
+    TextFormat,
 )
 
 MAX_INPUT_ITEMS = 1024

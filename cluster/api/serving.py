@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import urllib.request
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -30,6 +31,8 @@ from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer, chat_template_takes_content_parts, chat_template_takes_tools
 from routing.fanout import fan_out
 from routing.handoff import max_new_tokens
+
+logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.1
 IMAGE_FETCH_TIMEOUT_S = 10.0
@@ -125,6 +128,24 @@ class Serving:
         return f"model {model_id!r} does not exist; this server serves {self.model_name!r}"
 
     # ---- request building ------------------------------------------------------------
+    def request_id(self, http: Request, body: CompletionRequest | ChatCompletionRequest) -> str:
+        """The request's name in its response id and log lines: the X-Request-Id header,
+        else the body's request_id, else a fresh one (vLLM's order)."""
+        return http.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
+
+    def log_received(
+        self, rid: str, body: CompletionRequest | ChatCompletionRequest, groups: list[Group]
+    ) -> None:
+        """One line per request, and one warning naming the fields it sent that do nothing."""
+        num_tokens = [g.requests[0].num_prompt_tokens for g in groups]
+        seqs = sum(len(g.requests) for g in groups)
+        logger.info(
+            "%s: %d prompt(s) of %s tokens, %d sequence(s)", rid, len(groups), num_tokens, seqs
+        )
+        ignored = body.ignored_fields()
+        if ignored:
+            logger.warning("%s: ignored fields: %s", rid, ", ".join(ignored))
+
     def sampling_params(
         self,
         body: CompletionRequest | ChatCompletionRequest,
@@ -132,32 +153,40 @@ class Serving:
         logprobs: int | None,
     ) -> SamplingParams:
         params = body.sampling_params(max_tokens, logprobs)
+        truncate = body.prompt_truncation(self.max_model_len)
+        if truncate is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate)
         vocab_size = self.tokenizer.vocab_size
-        outside = [t for t in params.logit_bias if t >= vocab_size]
-        if outside:
-            raise APIError(
-                400,
-                f"logit_bias: {outside[0]} is not a token id of this model "
-                f"(vocabulary of {vocab_size})",
-                "invalid_value",
-                "logit_bias",
-            )
+        for name, ids in (
+            ("logit_bias", params.logit_bias),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise APIError(
+                    400,
+                    f"{name}: {outside[0]} is not a token id of this model "
+                    f"(vocabulary of {vocab_size})",
+                    "invalid_value",
+                    name,
+                )
         return params
 
     @cached_property
     def _grammars(self) -> GrammarCompiler:
         return GrammarCompiler(self.tokenizer, self.tokenizer.vocab_size)
 
-    async def check_grammar(self, params: SamplingParams, field: str = "response_format") -> None:
-        """Compile the grammar the body's `field` asks for (off the event loop: a large schema
-        takes milliseconds), so that a bad schema is the client's 400, not a failed request."""
+    async def check_grammar(self, params: SamplingParams, asked_by: str | None) -> None:
+        """Compile the grammar the field `asked_by` asks for (off the event loop: a large
+        schema takes milliseconds), so that a bad one is the client's 400, not a failed
+        request."""
         structured = params.structured_outputs
         if structured is None:
             return
         try:
             await asyncio.to_thread(self._grammars.matcher, structured)
         except ValueError as exc:
-            raise APIError(400, f"{field}: {exc}", "invalid_value", field) from None
+            raise APIError(400, f"{asked_by}: {exc}", "invalid_value", asked_by) from None
 
     def fits(self, text: str) -> str:
         """Refuse, before tokenizing it (which holds the event loop), a text too long to
@@ -171,9 +200,15 @@ class Serving:
         return text
 
     def make(
-        self, prompt: Any, params: SamplingParams, body: CompletionRequest | ChatCompletionRequest
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        body: CompletionRequest | ChatCompletionRequest,
+        rid: str,
     ) -> EngineRequest:
-        """The engine request for one prompt of `body` (its cache salt and priority too)."""
+        """The engine request for one prompt of `body` (its cache salt and priority too),
+        named after the HTTP request `rid` (and unique however often a client reuses its
+        request_id)."""
         if body.priority and not self.cluster.priority_scheduling:
             raise APIError(
                 400,
@@ -185,7 +220,7 @@ class Serving:
         if isinstance(prompt, str):
             self.fits(prompt)
         request = self.cluster.make_request(
-            prompt, params, f"req-{uuid.uuid4().hex}", body.cache_salt, body.priority
+            prompt, params, f"{rid}-{uuid.uuid4().hex[:8]}", body.cache_salt, body.priority
         )
         room = self.max_model_len - request.num_prompt_tokens
         if room < 1:
@@ -257,14 +292,26 @@ class Serving:
     ) -> str:
         """The chat prompt (with `tools`: the request's tools rendered for the model); a
         template that fails on these messages is the client's error."""
-        messages = body.template_messages(self._template_takes_content_parts)
-        kwargs = {}
-        if tools and isinstance(body, ChatCompletionRequest):
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        template = None
+        kwargs: dict[str, Any] = {}
+        if isinstance(body, ChatCompletionRequest):
+            template = body.chat_template
+            kwargs = body.template_kwargs()
+            if tools:
+                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        takes_parts = self._template_takes_content_parts
+        if template is not None:
+            takes_parts = chat_template_takes_content_parts(template)
+        messages = body.template_messages(takes_parts)
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            prompt = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt, chat_template=template, **kwargs
+            )
         except TypeError as exc:  # e.g. the template adds a string to a non-string value
             raise ValueError(f"chat template failed: {exc}") from None
+        if isinstance(body, ChatCompletionRequest) and body.continue_final_message:
+            return _continued(prompt, messages[-1])
+        return prompt
 
     # ---- running ---------------------------------------------------------------------
     async def _outputs(self, group: Group) -> AsyncGenerator[tuple[Result, EngineCoreOutput], None]:
@@ -341,11 +388,30 @@ class Serving:
                 task.cancel()
 
     # ---- token texts -----------------------------------------------------------------
-    def token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        """A logprob entry's token: its text, or "token_id:N" (return_tokens_as_token_ids)."""
+        if as_id:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def alternatives(self, top: TopLogprobs) -> list[tuple[str, float]]:
-        return [(self.token_text(t), lp) for t, lp in zip(top.token_ids, top.logprobs)]
+    def alternatives(self, top: TopLogprobs, as_ids: bool = False) -> list[tuple[str, float]]:
+        return [(self.token_text(t, as_ids), lp) for t, lp in zip(top.token_ids, top.logprobs)]
+
+
+def _continued(prompt: str, final: dict[str, Any]) -> str:
+    """The prompt cut right after the final message's text, so that the reply continues it
+    (continue_final_message) instead of following the end of its turn."""
+    content = final["content"]
+    if isinstance(content, list):
+        texts = [p["text"] for p in content if p.get("type") == "text"]
+        content = texts[-1] if texts else ""
+    end = prompt.rfind(content) if content else -1
+    if end < 0:
+        raise ValueError(
+            "continue_final_message: the chat template does not render the final message's "
+            "text as sent, so it cannot be continued"
+        )
+    return prompt[: end + len(content)]
 
 
 def usage(results: list[Result]) -> dict[str, int]:

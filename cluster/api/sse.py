@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -37,6 +38,22 @@ def named_event(payload: dict[str, Any]) -> bytes:
     return f"event: {payload['type']}\ndata: {_encode(payload)}\n\n".encode()
 
 
+@dataclass(frozen=True)
+class UsageIn:
+    """Which chunks of a stream carry usage (`stream_options`)."""
+
+    last_chunk: bool = False  # include_usage: a last chunk with no choices
+    # continuous_usage_stats (with include_usage, as vLLM): the usage so far in each chunk
+    every_chunk: bool = False
+
+    @classmethod
+    def of(cls, options: Any) -> UsageIn:
+        """From a body's `stream_options` (None: no usage)."""
+        if options is None:
+            return cls()
+        return cls(options.include_usage, options.include_usage and options.continuous_usage_stats)
+
+
 class EventStreamResponse(StreamingResponse):
     """A `text/event-stream` response of already-encoded events.
 
@@ -46,8 +63,10 @@ class EventStreamResponse(StreamingResponse):
     aborts the engine requests it drives.
     """
 
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
-        headers = {"Cache-Control": "no-cache"}
+    def __init__(
+        self, events: AsyncGenerator[bytes, None], headers: dict[str, str] | None = None
+    ) -> None:
+        headers = {"Cache-Control": "no-cache", **(headers or {})}
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self.events = events
 

@@ -15,7 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.api.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from cluster.api.messages import NamedToolChoice, Tool
+from cluster.api.protocol import ChatCompletionRequest
 
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -26,6 +27,7 @@ class ToolCallParser:
     JSON (tool_choice "required" or named), else Hermes-style blocks among text."""
 
     forced: bool
+    max_calls: int | None = None  # parallel_tool_calls false: 1, later calls dropped
 
     def message(
         self, text: str, finish_reason: str | None, streamed: bool = False
@@ -33,6 +35,7 @@ class ToolCallParser:
         """(the assistant message's fields, the finish reason): with any call, its
         `tool_calls` (indexed when `streamed`, as deltas are) and finish reason "tool_calls"."""
         content, calls = parse_tool_calls(text, self.forced)
+        calls = calls[: self.max_calls]
         if not calls:
             return {"content": content}, finish_reason
         if streamed:
