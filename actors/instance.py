@@ -120,6 +120,7 @@ class InstanceActor:
         self._draining = False
         self._paused = threading.Event()
         self._num_steps = 0
+        self._num_pulls = 0  # answered, for every consumer: the control plane's call rate
         self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self._thread.start()
 
@@ -156,6 +157,7 @@ class InstanceActor:
         P (a drain waits for them)."""
         self._start_reaper()
         outputs = await self._streams.pull(consumer_id, wait_s, num_promised)
+        self._num_pulls += 1
         stats = self._stats
         load = LoadReport(
             num_active=stats.get("num_unfinished", 0) + len(self._encodes),
@@ -213,7 +215,8 @@ class InstanceActor:
             self._inbox.put(("wake", None))  # an idle loop steps to free the blocks
 
     async def stats(self) -> dict[str, Any]:
-        return {**self._stats, "num_streams": len(self._streams) + len(self._encodes)}
+        num_streams = len(self._streams) + len(self._encodes)
+        return {**self._stats, "num_streams": num_streams, "num_pulls": self._num_pulls}
 
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stopping
