@@ -36,8 +36,17 @@ import httpx
 from benchmarks.targets import REPO_ROOT, free_port
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "agent",
-               "ray::IDLE", "runtime_env", "default_worker.py")  # fmt: skip
+RAY_DAEMONS = (
+    "raylet",
+    "gcs_server",
+    "dashboard",
+    "log_monitor",
+    "monitor.py",
+    "agent",
+    "ray::idle",
+    "runtime_env",
+    "default_worker.py",
+)  # fmt: skip; lower case
 
 
 @dataclass
@@ -99,7 +108,7 @@ def _group(pid: int, root: int) -> str:
     if "InstanceActor" in cmdline:
         return "instance"
     if cmdline.startswith("ray::"):
-        return "ray" if any(d in cmdline for d in RAY_DAEMONS) else "front"
+        return "ray" if any(d in cmdline.lower() for d in RAY_DAEMONS) else "front"
     return "ray"
 
 
@@ -192,9 +201,12 @@ def _rate(before: int | None, after: int | None, seconds: float) -> float | None
     return None if before is None or after is None else (after - before) / seconds
 
 
-def measure_idle(url: str, root: int, idle_s: float) -> tuple[dict[str, float], float | None]:
-    """% of one core per group, and pulls per second, over `idle_s` with no request."""
-    time.sleep(2.0)  # the warm-up's last pulls and stats settle
+def measure_idle(
+    url: str, root: int, idle_s: float, settle_s: float
+) -> tuple[dict[str, float], float | None]:
+    """% of one core per group, and pulls per second, over `idle_s` with no request, after
+    `settle_s` for the last requests' after-effects (reaping, stats) to pass."""
+    time.sleep(settle_s)
     _, pulls_before = num_pulls(url)
     before, start = snapshot(root), time.monotonic()
     time.sleep(idle_s)
@@ -210,8 +222,9 @@ def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
     env = {**os.environ, "PYTHONPATH": str(checkout), "RAY_AUTH_MODE": "disabled"}
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", args.config,
            "--port", str(port)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    log = open(f"/tmp/front_cost-{label}.log", "wb")  # noqa: SIM115 - the server's, while it runs
+    proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         model = _wait_ready(url, proc, args.ready_timeout_s)
@@ -220,13 +233,17 @@ def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
         for concurrency in (1, 16):
             _, arrivals = asyncio.run(run_load(url, model, concurrency, 3, 16))
             latency.update(_latency(arrivals, concurrency))
-        idle_pct, idle_pulls = measure_idle(url, proc.pid, args.idle_s)
+        idle_pct, idle_pulls = measure_idle(url, proc.pid, args.idle_s, args.idle_settle_s)
         num_instances, pulls_before = num_pulls(url)
+        spy = _py_spy(proc.pid, args.py_spy, label)
         before, start = snapshot(proc.pid), time.monotonic()
         tokens, _ = asyncio.run(
             run_load(url, model, args.concurrency, args.requests_each, args.max_tokens)
         )
         after, elapsed = snapshot(proc.pid), time.monotonic() - start
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its profile and exits
+            spy.wait(timeout=60)
         _, pulls_after = num_pulls(url)
         side = Side(label, cpu_ms_between(before, after), tokens, latency)
         side.num_requests = args.concurrency * args.requests_each
@@ -237,6 +254,17 @@ def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
         return side
     finally:
         _stop(proc)
+        log.close()
+
+
+def _py_spy(pid: int, out: str | None, label: str) -> subprocess.Popen | None:
+    """py-spy sampling the serving process (gateway replica 0) into `out`-LABEL.txt, as
+    collapsed stacks (one `frame;frame;... count` a line); its own CPU is not in the tree."""
+    if out is None:
+        return None
+    cmd = [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid),
+           "--format", "raw", "--rate", "50", "--nonblocking", "--output", f"{out}-{label}.txt"]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -301,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-each", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ready-timeout-s", type=float, default=300.0)
+    parser.add_argument("--py-spy", default=None, metavar="PREFIX",
+                        help="profile the serving process under load into PREFIX-LABEL.txt")  # fmt: skip
+    parser.add_argument("--idle-settle-s", type=float, default=10.0,
+                        help="seconds between the last request and the idle measurement")  # fmt: skip
     parser.add_argument("--idle-s", type=float, default=10.0,
                         help="seconds of no load over which the idle CPU is measured")  # fmt: skip
     args = parser.parse_args(argv)
