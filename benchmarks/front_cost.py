@@ -147,7 +147,15 @@ def cpu_ms_between(before: dict, after: dict) -> dict[str, float]:
 
 # ---- load ----------------------------------------------------------------------------------
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[float]]:
-    """Streamed tokens and the arrival time of each content chunk (from the send)."""
+    """Streamed tokens and the arrival time of each content chunk (from the send). A kept-alive
+    connection that the server closed as the request went out is retried once on a new one."""
+    try:
+        return await _stream_one(client, url, body)
+    except (httpx.ReadError, httpx.RemoteProtocolError):
+        return await _stream_one(client, url, body)
+
+
+async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[float]]:
     start = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
