@@ -7,8 +7,8 @@ actors/streams.py). A P given a `Route.decode_id` hands its finished request str
 that D (P tells D: no third process on the handoff) and streams the first token itself. The loop keeps stepping while the scheduler has any request, including finished ones
 whose KV load is in flight; after a step that ran no model it yields about 1 ms. It blocks on
 the inbox when there is nothing to do (every command, shutdown's included, wakes it), nothing
-but sends awaiting acks (an ack wakes it; leases are checked every INBOX_POLL_S meanwhile), or nothing but requests deferred on an
-encoder's outputs (whose arrival wakes it).
+but sends awaiting acks (an ack wakes it; leases are checked every INBOX_POLL_S meanwhile),
+or nothing but requests deferred on an encoder's outputs (whose arrival wakes it).
 """
 
 from __future__ import annotations
