@@ -37,6 +37,7 @@ from ray.actor import ActorHandle
 
 from actors.messages import PullReply, RequestTrace, Route, StageTimes
 from actors.pixels import by_reference
+from actors.streams import PULL_WAIT_S
 from engine.outputs import EngineCoreOutput
 from engine.request import Request
 from routing.handoff import max_new_tokens
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 5.0  # an instance's stats call, when the caller names no bound
 MAX_RETRIES = 1  # plans of a request after its instance died before it yielded anything
-PULL_TIMEOUT_S = 5.0  # a pull unanswered this long marks its instance unhealthy
+PULL_TIMEOUT_S = PULL_WAIT_S + 5.0  # a pull unanswered this long: its instance is unhealthy
 RETRY_PULL_S = 0.5  # pause between pulls of an instance that failed
 MEMBERS_POLL_S = 1.0  # how often the pool's membership is re-read
 CLOSE_TIMEOUT_S = 10.0
@@ -54,8 +55,17 @@ LATENCY_REPORT_ROUNDS = 5  # membership polls between two latency reports to the
 MAX_TRACES = 10_000  # finished requests' traces kept for `Front.traces`
 TRACE_PROMPT_HEAD = 8  # prompt token ids a trace keeps
 
-Deliver = Callable[[list[EngineCoreOutput]], None]
 _FRONTS: weakref.WeakSet[Front] = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class _Sink:
+    """Where one request's batches go: a queue on the caller's event loop (the caller's
+    index of the request with each batch)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[tuple[int, list[EngineCoreOutput]]]
+    index: int
 
 
 @dataclass
@@ -63,7 +73,7 @@ class _Flight:
     """One request this replica serves, as its outputs come in."""
 
     request: Request  # this attempt's: its id is the one instances know (see `_submit`)
-    deliver: Deliver  # thread-safe: hands a batch to the caller's event loop
+    sink: _Sink
     client_id: str  # the request id the caller knows
     plan: Plan | None = None
     sources: set[str] = field(default_factory=set)  # instances whose outputs count now
@@ -109,6 +119,8 @@ class Front:
         self.num_started = 0  # requests this replica has served (or is serving)
         # D instance id -> requests planned onto it that are still on their P
         self._promised: Counter[str] = Counter()
+        # Batches for callers, by their event loop, until the end of this loop iteration
+        self._outgoing: dict[asyncio.AbstractEventLoop, list[_Outgoing]] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="front", daemon=True)
         self._thread.start()
@@ -132,12 +144,8 @@ class Front:
         early aborts every unfinished one everywhere."""
         loop = asyncio.get_running_loop()
         batches: asyncio.Queue[tuple[int, list[EngineCoreOutput]]] = asyncio.Queue()
-
-        def deliverer(index: int) -> Deliver:
-            return lambda batch: loop.call_soon_threadsafe(batches.put_nowait, (index, batch))
-
-        delivers = [deliverer(i) for i in range(len(requests))]
-        self._loop.call_soon_threadsafe(self._start, requests, delivers)
+        sinks = [_Sink(loop, batches, i) for i in range(len(requests))]
+        self._loop.call_soon_threadsafe(self._start, requests, sinks)
         unfinished = set(range(len(requests)))
         try:
             while unfinished:
@@ -186,21 +194,21 @@ class Front:
         return asyncio.run_coroutine_threadsafe(_as_coro(coro_or_fn), self._loop)
 
     # ---- planning (the Front's thread from here on) ------------------------------------
-    def _start(self, requests: list[Request], delivers: list[Deliver]) -> None:
+    def _start(self, requests: list[Request], sinks: list[_Sink]) -> None:
         """Start a group of requests sampling one prompt, all on the first one's plan."""
         features = requests[0].mm_features
         if features:  # the caller's requests keep their pixels; ours refer to them
             features = by_reference(features)  # one put per image, for the whole group
         plan = None
-        for request, deliver in zip(requests, delivers):
+        for request, sink in zip(requests, sinks):
             rid = request.request_id
             if rid in self._wire_ids:
-                deliver([_error(rid, f"request id {rid!r} is already in use")])
+                self._send(sink, rid, [_error(rid, f"request id {rid!r} is already in use")])
                 continue
             if features:
                 request = copy.copy(request)
                 request.mm_features = features
-            flight = self._flights[rid] = _Flight(request, deliver, rid)
+            flight = self._flights[rid] = _Flight(request, sink, rid)
             self._wire_ids[rid] = rid
             self.num_started += 1
             self._submit(flight, plan)
@@ -318,10 +326,22 @@ class Front:
     def _deliver(self, flight: _Flight, batch: list[EngineCoreOutput]) -> None:
         if flight.request.request_id != flight.client_id:  # a later attempt's outputs
             batch = [dataclasses.replace(o, request_id=flight.client_id) for o in batch]
-        try:
-            flight.deliver(batch)
-        except RuntimeError:  # the caller's event loop is closed: nobody reads the request
-            self._abort([flight.client_id])
+        self._send(flight.sink, flight.client_id, batch)
+
+    def _send(self, sink: _Sink, client_id: str, batch: list[EngineCoreOutput]) -> None:
+        """Queue a batch for its caller; what this loop iteration queued for one event loop
+        crosses threads in one call (`_flush`), however many requests and pulls it holds."""
+        if not self._outgoing:
+            self._loop.call_soon(self._flush)
+        self._outgoing.setdefault(sink.loop, []).append((sink, client_id, batch))
+
+    def _flush(self) -> None:
+        outgoing, self._outgoing = self._outgoing, {}
+        for loop, items in outgoing.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's event loop is closed: nobody reads these
+                self._abort([client_id for _, client_id, _ in items])
 
     def _abort(self, client_ids: list[str]) -> None:
         aborted = []
@@ -537,6 +557,15 @@ class Front:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_Outgoing = tuple[_Sink, str, list[EngineCoreOutput]]  # (sink, the caller's request id, batch)
+
+
+def _put_all(items: list[_Outgoing]) -> None:
+    """On the caller's event loop: hand each batch to its stream."""
+    for sink, _, batch in items:
+        sink.queue.put_nowait((sink.index, batch))
 
 
 async def _as_coro(fn: Callable[[], Any]) -> Any:

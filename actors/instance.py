@@ -6,9 +6,9 @@ read by each gateway replica with one `pull` per step for all its requests here,
 actors/streams.py). A P given a `Route.decode_id` hands its finished request straight to
 that D (P tells D: no third process on the handoff) and streams the first token itself. The loop keeps stepping while the scheduler has any request, including finished ones
 whose KV load is in flight; after a step that ran no model it yields about 1 ms. It blocks on
-the inbox when there is nothing to do, nothing but sends awaiting acks (an ack wakes it;
-leases are checked every INBOX_POLL_S meanwhile), or nothing but requests deferred on an
-encoder's outputs (whose arrival wakes it).
+the inbox when there is nothing to do (every command, shutdown's included, wakes it), nothing
+but sends awaiting acks (an ack wakes it; leases are checked every INBOX_POLL_S meanwhile),
+or nothing but requests deferred on an encoder's outputs (whose arrival wakes it).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from actors.kv_events import KVEventLog
 from actors.messages import LoadReport, PullReply, Route, StageTimes
 from actors.pixels import prefetch
 from actors.stage_clock import StageClock
-from actors.streams import Outboxes, reap_orphans
+from actors.streams import PULL_WAIT_S, Outboxes, reap_orphans
 from connectors.ray_ec import RayECConnector
 from connectors.ray_kv import RayKVConnector
 from engine.config import EngineConfig
@@ -48,8 +48,9 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("encoder", "prefill", "decode", "mixed")
 IDLE_YIELD_S = 0.001  # after a step that ran no model
-INBOX_POLL_S = 0.1  # how often an idle loop wakes to notice shutdown
-PULL_WAIT_S = 0.1  # a pull with no output returns after this: loads go out at >= 10 Hz
+INBOX_POLL_S = 0.1  # how often a loop waiting on remote work wakes (to check leases)
+IDLE_WAIT_S = 1.0  # a loop with no work at all waits this long (a command wakes it at once)
+LOAD_KEYS = ("num_unfinished", "prefill_tokens_queued", "kv_tokens_reserved")  # routing's load
 DRAIN_QUIET_S = 1.0  # a draining instance is done once it held nothing for this long
 
 
@@ -120,6 +121,8 @@ class InstanceActor:
         self._draining = False
         self._paused = threading.Event()
         self._num_steps = 0
+        self._num_pulls = 0  # answered, for every consumer: the control plane's call rate
+        self._load_key: tuple[Any, ...] = ()  # the step thread's last published load
         self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self._thread.start()
 
@@ -153,9 +156,13 @@ class InstanceActor:
         `wait_s` for one), with this instance's load and prefix-cache events after the
         consumer's cursor (`epoch`, `events_after`: from its previous reply).
         `num_promised`: the consumer's requests planned onto this D that are still on their
-        P (a drain waits for them)."""
+        P (a drain waits for them). A change of load or prefix cache ends the wait early
+        (actors/streams.py); a consumer new to this incarnation is answered at once."""
         self._start_reaper()
+        if epoch != self._kv_log.epoch:  # a new consumer, or one that knew another incarnation
+            wait_s = 0.0
         outputs = await self._streams.pull(consumer_id, wait_s, num_promised)
+        self._num_pulls += 1
         stats = self._stats
         load = LoadReport(
             num_active=stats.get("num_unfinished", 0) + len(self._encodes),
@@ -213,7 +220,8 @@ class InstanceActor:
             self._inbox.put(("wake", None))  # an idle loop steps to free the blocks
 
     async def stats(self) -> dict[str, Any]:
-        return {**self._stats, "num_streams": len(self._streams) + len(self._encodes)}
+        num_streams = len(self._streams) + len(self._encodes)
+        return {**self._stats, "num_streams": num_streams, "num_pulls": self._num_pulls}
 
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stopping
@@ -233,6 +241,7 @@ class InstanceActor:
         for DRAIN_QUIET_S: requests planned just before replicas noticed still arrive and
         are served. False when `timeout_s` passed first."""
         self._draining = True
+        self._streams.notify()  # replicas stop routing here now (and say what they promised)
         deadline = time.monotonic() + timeout_s
         quiet_since = time.monotonic()
         while time.monotonic() - quiet_since < DRAIN_QUIET_S:
@@ -254,6 +263,7 @@ class InstanceActor:
 
     async def shutdown(self) -> None:
         self._stopping = True
+        self._streams.notify()
         self._inbox.put(("wake", None))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
         self.core.shutdown()
@@ -287,14 +297,33 @@ class InstanceActor:
             return False
         self._num_steps += 1
         done = self._stamp(started_s, outputs)
-        for out in outputs:
-            self._deliver(out, done.get(out.request_id))
-        if isinstance(self.core, EncoderCore):
+        if isinstance(self.core, EncoderCore):  # its outputs go to the `encode` calls
+            for out in outputs:
+                self._deliver(out)
             self.core.ec_connector.clear_outbox()
-        elif (events := self.core.take_kv_events()) and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._kv_log.extend, events)
-        self._publish_stats()
+            outputs, events = [], []
+        else:
+            events = self.core.take_kv_events()
+        changed = self._publish_stats()
+        if self._loop is not None and (outputs or events or changed):
+            items = [(out, done.get(out.request_id)) for out in outputs]
+            self._loop.call_soon_threadsafe(self._after_step, items, events, changed)
         return model_executed
+
+    def _after_step(
+        self,
+        items: list[tuple[EngineCoreOutput, StageTimes | None]],
+        events: list[tuple[bool, int]],
+        changed: bool,
+    ) -> None:
+        """On the event loop: a step's outputs to their consumers, its prefix-cache events
+        to the log; pulls hear of a changed load or cache."""
+        for out, stage_times in items:
+            self._route(out, stage_times)
+        if events:
+            self._kv_log.extend(events)
+        if events or changed:
+            self._streams.notify()
 
     def _stamp(self, started_s: float, outputs: list[EngineCoreOutput]) -> dict[str, StageTimes]:
         """Stage times of the step that just ran; those of the requests it ended here."""
@@ -305,9 +334,11 @@ class InstanceActor:
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            command, arg = (
-                self._inbox.get(timeout=INBOX_POLL_S) if block else self._inbox.get_nowait()
-            )
+            if block:
+                timeout_s = INBOX_POLL_S if self.core.has_work() else IDLE_WAIT_S
+                command, arg = self._inbox.get(timeout=timeout_s)
+            else:
+                command, arg = self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -316,7 +347,8 @@ class InstanceActor:
                 command, arg = self._inbox.get_nowait()
             except queue.Empty:
                 break
-        self._publish_stats()
+        if self._publish_stats() and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._streams.notify)
 
     def _handle(self, command: str, arg: Any) -> None:
         if command == "add":
@@ -337,9 +369,8 @@ class InstanceActor:
             self.core.abort_requests(arg)  # their streams were closed already
             self._clock.forget(arg)
 
-    def _deliver(self, out: EngineCoreOutput, stage_times: StageTimes | None = None) -> None:
-        """Hand an output (with the request's stage times when it leaves here) to the event
-        loop (from the step thread)."""
+    def _deliver(self, out: EngineCoreOutput) -> None:
+        """Hand one output outside a step's batch to the event loop (from the step thread)."""
         if self._loop is None:
             return
         if self.spec.role == "encoder":
@@ -348,10 +379,16 @@ class InstanceActor:
                     self._mm_hashes.get(out.request_id, [])
                 )
                 self._loop.call_soon_threadsafe(self._encoded, out, outputs)
-        elif out.finished and out.request_id in self._handoffs:
-            self._loop.call_soon_threadsafe(self._hand_off, out, stage_times)
         else:
-            self._loop.call_soon_threadsafe(self._streams.put, out, stage_times)
+            self._loop.call_soon_threadsafe(self._route, out, None)
+
+    def _route(self, out: EngineCoreOutput, stage_times: StageTimes | None) -> None:
+        """On the event loop: P's finished prefill goes on to its D, the rest to the
+        consumer (with the request's stage times when it leaves here)."""
+        if out.finished and out.request_id in self._handoffs:
+            self._hand_off(out, stage_times)
+        else:
+            self._streams.put(out, stage_times)
 
     def _encoded(self, out: EngineCoreOutput, outputs: dict[str, np.ndarray]) -> None:
         future = self._encodes.get(out.request_id)
@@ -401,8 +438,9 @@ class InstanceActor:
         for request_id in request_ids:
             self._deliver(EngineCoreOutput(request_id, [], finish_reason="error", error=message))
 
-    def _publish_stats(self) -> None:
-        """A snapshot read by `stats()`: the step thread alone touches the engine."""
+    def _publish_stats(self) -> bool:
+        """A snapshot read by `stats()` and pulls (the step thread alone touches the
+        engine); True when the load that pulls report changed."""
         stats: dict[str, Any] = {
             "id": self.spec.instance_id,
             "role": self.spec.role,
@@ -415,3 +453,6 @@ class InstanceActor:
         stats["num_steps"] = self._num_steps
         stats["paused"] = self._paused.is_set()
         self._stats = stats
+        key = tuple(stats.get(k) for k in LOAD_KEYS)
+        changed, self._load_key = key != self._load_key, key
+        return changed

@@ -72,6 +72,7 @@ class InstanceMetrics:
         self._gauges = [(s, self._make(metrics.Gauge, s)) for s in GAUGES]
         self._counters = [(s, self._make(metrics.Counter, s)) for s in COUNTERS + TOKEN_COUNTERS]
         self._recorded: dict[str, float] = {}  # counter name -> the value recorded so far
+        self._gauge_values: dict[str, float] = {}  # gauge name -> its value (Ray keeps it)
         self._next_s = 0.0
 
     @staticmethod
@@ -85,7 +86,10 @@ class InstanceMetrics:
             return
         self._next_s = now + RECORD_INTERVAL_S
         for series, gauge in self._gauges:
-            gauge.set(float(series.value(stats)), tags=self._tags)
+            value = float(series.value(stats))
+            if self._gauge_values.get(series.name) != value:  # an idle instance records nothing
+                gauge.set(value, tags=self._tags)
+                self._gauge_values[series.name] = value
         for series, counter in self._counters:
             value = float(series.value(stats))
             delta = value - self._recorded.get(series.name, 0.0)

@@ -2,9 +2,15 @@
 
 A gateway replica (the consumer) starts requests with `submit` and reads all of its
 requests on an instance with one `pull` per step; each pull returns every output produced
-for that consumer since its last one. Replies travel inline, so a consumer that hangs up
-or dies mid-stream leaves nothing in the object store. A consumer that has not pulled for
-`idle_timeout_s` is gone (its replica died): its requests are aborted.
+for that consumer since its last one. A pull is a long-poll: it waits, on the actor's event
+loop, until the consumer has outputs, or until the instance's load or prefix cache changed
+(`notify`, answered at most every `refresh_s` per consumer, so that every replica routes on
+fresh load without the busy instance answering each step to replicas with nothing there),
+or until its wait ends. An idle instance so answers each consumer about once per wait, and a
+busy one once per step with all of that consumer's outputs. Replies travel inline, so a
+consumer that hangs up or dies mid-stream leaves nothing in the object store. A consumer
+that has not pulled (nor been waiting in a pull) for `idle_timeout_s` is gone (its replica
+died): its requests are aborted.
 """
 
 from __future__ import annotations
@@ -17,24 +23,34 @@ from dataclasses import dataclass, field
 from actors.messages import StageTimes
 from engine.outputs import EngineCoreOutput
 
+PULL_WAIT_S = 1.0  # a pull with no output and no change to report returns after this
+REFRESH_S = 0.1  # a consumer hears of load changes at most this often (10 Hz) without outputs
+
 
 @dataclass
 class _Outbox:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     stage_times: list[StageTimes] = field(default_factory=list)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
     request_ids: set[str] = field(default_factory=set)
-    last_pull: float = field(default_factory=time.monotonic)
+    last_pull: float = field(default_factory=time.monotonic)  # a pull ended (liveness)
+    last_reply: float = 0.0  # when a pull last answered (paces the answers to `notify`)
+    changed: bool = False  # load or prefix cache changed since the last answer
+    waiter: asyncio.Future | None = None  # the pull waiting now, woken by put or notify
     pulling: bool = False
     num_promised: int = 0  # the consumer's requests still on their way here (see pull)
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 class Outboxes:
     """The open requests of one instance by consumer; every method runs on the actor's
     event loop."""
 
-    def __init__(self, idle_timeout_s: float) -> None:
+    def __init__(self, idle_timeout_s: float, refresh_s: float = REFRESH_S) -> None:
         self.idle_timeout_s = idle_timeout_s
+        self.refresh_s = refresh_s
         self._boxes: dict[str, _Outbox] = {}
         self._consumer_of: dict[str, str] = {}  # open request id -> consumer id
         self._closed_unopened: dict[str, float] = {}  # aborts that overtook their start
@@ -71,7 +87,7 @@ class Outboxes:
         if stage_times is not None:
             box.stage_times.append(stage_times)
         box.outputs.append(out)
-        box.ready.set()
+        box.wake()
         if out.finished:
             del self._consumer_of[out.request_id]
             box.request_ids.discard(out.request_id)
@@ -80,7 +96,7 @@ class Outboxes:
         """Queue a final output for a request that was never opened (e.g. a reused id)."""
         box = self._box(consumer_id)
         box.outputs.append(out)
-        box.ready.set()
+        box.wake()
 
     def close(self, request_id: str) -> None:
         """The consumer gave the request up: forget it, queue nothing more for it."""
@@ -90,25 +106,48 @@ class Outboxes:
         else:
             self._boxes[consumer_id].request_ids.discard(request_id)
 
+    def notify(self) -> None:
+        """The instance's load or prefix cache changed: every consumer hears of it soon."""
+        for box in self._boxes.values():
+            box.changed = True
+            box.wake()
+
     async def pull(
         self, consumer_id: str, wait_s: float, num_promised: int = 0
     ) -> list[EngineCoreOutput]:
-        """Every output queued for the consumer, waiting up to `wait_s` for the first.
-        `num_promised`: how many more requests the consumer has sent on their way here."""
+        """Every output queued for the consumer, waiting up to `wait_s` for the first or
+        for a change to report (see the module's docstring). `num_promised`: how many more
+        requests the consumer has sent on their way here."""
         box = self._box(consumer_id)
         box.num_promised = num_promised
         box.pulling = True
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + wait_s
         try:
-            if not box.outputs:
-                await asyncio.wait_for(box.ready.wait(), wait_s)
-        except asyncio.TimeoutError:
-            pass
+            while not box.outputs:
+                timeout = self._wait_left(box, deadline - time.monotonic())
+                if timeout <= 0:
+                    break
+                box.waiter = loop.create_future()
+                timer = loop.call_later(timeout, box.wake)
+                try:
+                    await box.waiter
+                finally:
+                    timer.cancel()
+                    box.waiter = None
         finally:
             box.pulling = False
-            box.last_pull = time.monotonic()
+            box.last_pull = box.last_reply = time.monotonic()
+        box.changed = False
         outputs, box.outputs = box.outputs, []
-        box.ready.clear()
         return outputs
+
+    def _wait_left(self, box: _Outbox, left_s: float) -> float:
+        """How long a pull with no output still waits: a change is answered once
+        `refresh_s` passed since the consumer's last answer."""
+        if box.changed:
+            return min(left_s, box.last_reply + self.refresh_s - time.monotonic())
+        return left_s
 
     def take_stage_times(self, consumer_id: str) -> list[StageTimes]:
         """The stage times queued for the consumer (with the outputs its pull just took)."""

@@ -5,8 +5,11 @@ its gateway, and reads the CPU time of every process of the serve tree from /pro
 and after. Processes are grouped by what they run: `instance` (the E/P/D actors), `front`
 (the serving process and every other actor: gateway replicas, a router, the pool controller),
 `ray` (Ray's own daemons and idle workers). Also the TTFT and the first-to-second token gap
-at concurrency 1 and 16. `--checkout DIR` runs another checkout's serve (e.g. the commit
-before a change) with this same client, so both sides are measured the same way:
+at concurrency 1 and 16, the idle cluster's CPU (% of one core per group, over `--idle-s`
+with no request), the instances' pulls per second when idle and under load (from their
+`num_pulls` stat, where the checkout has it), and each instance process's memory (PSS).
+`--checkout DIR` runs another checkout's serve (e.g. the commit before a change) with this
+same client, so both sides are measured the same way:
 
     python -m benchmarks.front_cost --checkout /tmp/before --label before --label after
 
@@ -25,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -33,8 +36,17 @@ import httpx
 from benchmarks.targets import REPO_ROOT, free_port
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "agent",
-               "ray::IDLE", "runtime_env", "default_worker.py")  # fmt: skip
+RAY_DAEMONS = (
+    "raylet",
+    "gcs_server",
+    "dashboard",
+    "log_monitor",
+    "monitor.py",
+    "agent",
+    "ray::idle",
+    "runtime_env",
+    "default_worker.py",
+)  # fmt: skip; lower case
 
 
 @dataclass
@@ -43,9 +55,17 @@ class Side:
     cpu_ms: dict[str, float]  # group -> CPU ms during the load
     tokens: int
     latency: dict[str, float]  # e.g. ttft_p50_ms_c1
+    num_requests: int = 0  # of the load
+    idle_pct: dict[str, float] = field(default_factory=dict)  # group -> % of one core, idle
+    pulls_per_s: dict[str, float | None] = field(default_factory=dict)  # "idle", "load"
+    instance_pss_mb: list[float] = field(default_factory=list)
+    num_instances: int = 0
 
     def per_1k(self, group: str) -> float:
         return self.cpu_ms.get(group, 0.0) * 1000 / max(self.tokens, 1)
+
+    def per_request(self, group: str) -> float:
+        return self.cpu_ms.get(group, 0.0) / max(self.num_requests, 1)
 
 
 # ---- /proc ---------------------------------------------------------------------------------
@@ -88,8 +108,24 @@ def _group(pid: int, root: int) -> str:
     if "InstanceActor" in cmdline:
         return "instance"
     if cmdline.startswith("ray::"):
-        return "ray" if any(d in cmdline for d in RAY_DAEMONS) else "front"
+        return "ray" if any(d in cmdline.lower() for d in RAY_DAEMONS) else "front"
     return "ray"
+
+
+def _pss_mb(pid: int) -> float | None:
+    """Proportional set size: shared pages (torch, Ray's libraries) split among sharers."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def instance_pss_mb(root: int) -> list[float]:
+    pids = [p for p in _tree(root) if _group(p, root) == "instance"]
+    return [m for m in map(_pss_mb, pids) if m is not None]
 
 
 def snapshot(root: int) -> dict[int, tuple[str, float]]:
@@ -111,7 +147,15 @@ def cpu_ms_between(before: dict, after: dict) -> dict[str, float]:
 
 # ---- load ----------------------------------------------------------------------------------
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[float]]:
-    """Streamed tokens and the arrival time of each content chunk (from the send)."""
+    """Streamed tokens and the arrival time of each content chunk (from the send). A kept-alive
+    connection that the server closed as the request went out is retried once on a new one."""
+    try:
+        return await _stream_one(client, url, body)
+    except (httpx.ReadError, httpx.RemoteProtocolError):
+        return await _stream_one(client, url, body)
+
+
+async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[float]]:
     start = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
@@ -154,14 +198,41 @@ def _latency(arrivals: list[list[float]], concurrency: int) -> dict[str, float]:
     }
 
 
+def num_pulls(url: str) -> tuple[int, int | None]:
+    """(instances, pulls they answered so far; None when the checkout does not count them)."""
+    rows = httpx.get(f"{url}/v1/cluster", timeout=30).json()["instances"]
+    counts = [r.get("num_pulls") for r in rows]
+    return len(rows), None if None in counts else sum(counts)
+
+
+def _rate(before: int | None, after: int | None, seconds: float) -> float | None:
+    return None if before is None or after is None else (after - before) / seconds
+
+
+def measure_idle(
+    url: str, root: int, idle_s: float, settle_s: float
+) -> tuple[dict[str, float], float | None]:
+    """% of one core per group, and pulls per second, over `idle_s` with no request, after
+    `settle_s` for the last requests' after-effects (reaping, stats) to pass."""
+    time.sleep(settle_s)
+    _, pulls_before = num_pulls(url)
+    before, start = snapshot(root), time.monotonic()
+    time.sleep(idle_s)
+    after, elapsed = snapshot(root), time.monotonic() - start
+    _, pulls_after = num_pulls(url)
+    pct = {g: ms / elapsed / 10 for g, ms in cpu_ms_between(before, after).items()}
+    return pct, _rate(pulls_before, pulls_after, elapsed)
+
+
 # ---- one side --------------------------------------------------------------------------------
 def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(checkout), "RAY_AUTH_MODE": "disabled"}
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", args.config,
            "--port", str(port)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    log = open(f"/tmp/front_cost-{label}.log", "wb")  # noqa: SIM115 - the server's, while it runs
+    proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         model = _wait_ready(url, proc, args.ready_timeout_s)
@@ -170,14 +241,38 @@ def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
         for concurrency in (1, 16):
             _, arrivals = asyncio.run(run_load(url, model, concurrency, 3, 16))
             latency.update(_latency(arrivals, concurrency))
-        before = snapshot(proc.pid)
+        idle_pct, idle_pulls = measure_idle(url, proc.pid, args.idle_s, args.idle_settle_s)
+        num_instances, pulls_before = num_pulls(url)
+        spy = _py_spy(proc.pid, args.py_spy, label)
+        before, start = snapshot(proc.pid), time.monotonic()
         tokens, _ = asyncio.run(
             run_load(url, model, args.concurrency, args.requests_each, args.max_tokens)
         )
-        after = snapshot(proc.pid)
-        return Side(label, cpu_ms_between(before, after), tokens, latency)
+        after, elapsed = snapshot(proc.pid), time.monotonic() - start
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its profile and exits
+            spy.wait(timeout=60)
+        _, pulls_after = num_pulls(url)
+        side = Side(label, cpu_ms_between(before, after), tokens, latency)
+        side.num_requests = args.concurrency * args.requests_each
+        side.idle_pct = idle_pct
+        side.pulls_per_s = {"idle": idle_pulls, "load": _rate(pulls_before, pulls_after, elapsed)}
+        side.instance_pss_mb = instance_pss_mb(proc.pid)
+        side.num_instances = num_instances
+        return side
     finally:
         _stop(proc)
+        log.close()
+
+
+def _py_spy(pid: int, out: str | None, label: str) -> subprocess.Popen | None:
+    """py-spy sampling the serving process (gateway replica 0) into `out`-LABEL.txt, as
+    collapsed stacks (one `frame;frame;... count` a line); its own CPU is not in the tree."""
+    if out is None:
+        return None
+    cmd = [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid),
+           "--format", "raw", "--rate", "50", "--nonblocking", "--output", f"{out}-{label}.txt"]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -212,6 +307,15 @@ def report(sides: list[Side]) -> str:
         cells = [s.label, str(s.tokens), *(f"{s.per_1k(g):.0f}" for g in groups), f"{total:.0f}",
                  *(f"{v:.1f}" for v in s.latency.values())]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| side | instances | idle % of a core: " + " / ".join(groups)
+              + " | pulls/s idle | pulls/s load | front ms/request | PSS MB/instance |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s in sides:
+        idle = " / ".join(f"{s.idle_pct.get(g, 0.0):.1f}" for g in groups)
+        pulls = [f"{v:.0f}" if v is not None else "n/a" for v in s.pulls_per_s.values()]
+        pss = statistics.mean(s.instance_pss_mb) if s.instance_pss_mb else 0.0
+        lines.append(f"| {s.label} | {s.num_instances} | {idle} | {' | '.join(pulls)} | "
+                     f"{s.per_request('front'):.1f} | {pss:.0f} |")  # fmt: skip
     if len(sides) == 2:
         old, new = sides
         ratio = new.per_1k("front") / max(old.per_1k("front"), 1e-9)
@@ -233,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-each", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ready-timeout-s", type=float, default=300.0)
+    parser.add_argument("--py-spy", default=None, metavar="PREFIX",
+                        help="profile the serving process under load into PREFIX-LABEL.txt")  # fmt: skip
+    parser.add_argument("--idle-settle-s", type=float, default=10.0,
+                        help="seconds between the last request and the idle measurement")  # fmt: skip
+    parser.add_argument("--idle-s", type=float, default=10.0,
+                        help="seconds of no load over which the idle CPU is measured")  # fmt: skip
     args = parser.parse_args(argv)
     checkouts = ([args.checkout] if args.checkout else []) + [REPO_ROOT]
     labels = args.label or ["other", "this"][-len(checkouts) :]

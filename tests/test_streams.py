@@ -99,3 +99,54 @@ def test_kv_events_after_a_cursor_net_out_and_a_stale_reader_gets_the_whole_set(
     stale = log.since(first.epoch, first.cursor)
     assert stale.reset and sorted(stale.stored) == [2, 3, 4, 5]
     assert log.since("an-earlier-incarnation", delta.cursor).reset
+
+
+def test_an_idle_pull_waits_until_the_load_changes_and_then_answers_at_once():
+    async def scenario():
+        boxes = Outboxes(idle_timeout_s=60, refresh_s=0.0)
+        boxes.open("a", "r")
+        pull = asyncio.ensure_future(boxes.pull("r", wait_s=30))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        waited = not pull.done()  # nothing to say: a long-poll, not a fixed-rate answer
+        boxes.notify()  # e.g. another replica's request was admitted here
+        return waited, await pull, "a" in boxes
+
+    waited, batch, still_open = asyncio.run(scenario())
+    assert waited
+    assert batch == [] and still_open  # a load-only answer carries no output
+
+
+def test_load_changes_are_answered_at_most_every_refresh_but_outputs_at_once():
+    async def scenario():
+        boxes = Outboxes(idle_timeout_s=60, refresh_s=30)
+        boxes.open("a", "r")
+        boxes.notify()
+        first = await boxes.pull("r", wait_s=30)  # the change, answered: never answered yet
+        pull = asyncio.ensure_future(boxes.pull("r", wait_s=30))
+        boxes.notify()  # within refresh_s of the last answer: held back
+        for _ in range(10):
+            await asyncio.sleep(0)
+        held = not pull.done()
+        boxes.put(out("a", 1))  # outputs are never held back
+        return first, held, await pull
+
+    first, held, batch = asyncio.run(scenario())
+    assert first == [] and held
+    assert [o.new_token_ids for o in batch] == [[1]]
+
+
+def test_a_consumer_waiting_in_a_long_poll_is_alive():
+    async def scenario():
+        boxes = Outboxes(idle_timeout_s=0.01)
+        boxes.open("a", "r")
+        pull = asyncio.ensure_future(boxes.pull("r", wait_s=30))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0.05)  # past idle_timeout_s since the box opened
+        orphans = boxes.orphaned()
+        boxes.put(out("a", 1, "length"))
+        return orphans, await pull
+
+    orphans, batch = asyncio.run(scenario())
+    assert orphans == []
+    assert [o.finish_reason for o in batch] == ["length"]

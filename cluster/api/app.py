@@ -199,4 +199,5 @@ def _instance_view(s: dict[str, Any]) -> dict[str, Any]:
         "num_waiting": s.get("num_waiting", 0),
         "num_deferred": s.get("num_deferred", 0),
         "num_pending_transfers": s.get("num_pending_sends", 0) + s.get("num_pending_recvs", 0),
+        "num_pulls": s.get("num_pulls", 0),
     }
