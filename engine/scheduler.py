@@ -47,7 +47,11 @@ from engine.outputs import (
 )
 from engine.request import Request, RequestStatus
 from engine.request_queue import RequestQueue, create_request_queue, priority_key
+from engine.scheduler_kv import RemoteKV
 from engine.scheduler_step import (
+    SCHEDULED,
+    SKIP,
+    STOP,
     StepState,
     add_prompt_logprobs,
     check_mm_fits,
@@ -60,10 +64,8 @@ from engine.scheduler_step import (
     take_prompt_logprobs,
 )
 
-_SCHEDULED, _SKIP, _STOP = 0, 1, 2  # outcome of trying one waiting request
 
-
-class Scheduler:
+class Scheduler(RemoteKV):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -197,7 +199,7 @@ class Scheduler:
                 or num_external <= 0
                 or kv.get_num_free_blocks() - num_blocks < len(self.running)
                 or self._start_remote_load(request, computed_blocks, num_computed, num_external)
-                == _STOP
+                == STOP
             ):
                 break
             self.skipped_waiting.add_request(self.waiting.pop_request())
@@ -281,19 +283,19 @@ class Scheduler:
                 waiting if waiting and (not skipped or waiting.goes_before(skipped)) else skipped
             )
             outcome = self._try_schedule_waiting(queue.peek_request(), st)
-            if outcome == _STOP:
+            if outcome == STOP:
                 break
             request = queue.pop_request()
-            if outcome == _SKIP:
+            if outcome == SKIP:
                 st.step_skipped.append(request)
         self.skipped_waiting.prepend_requests(st.step_skipped)
 
     def _try_schedule_waiting(self, request: Request, st: StepState) -> int:
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return _SKIP
+            return SKIP
         found = self._lookup(request)
         if found is None:
-            return _SKIP
+            return SKIP
         computed_blocks, num_computed, num_external, load_async = found
         if load_async and num_external > 0:
             return self._start_remote_load(request, computed_blocks, num_computed, num_external)
@@ -327,34 +329,6 @@ class Scheduler:
             return None
         return computed_blocks, num_computed, num_external, load_async
 
-    def _may_load_remote_kv(self, request: Request, has_blocks: bool) -> bool:
-        return (
-            self.kv_connector is not None
-            and not has_blocks
-            and request.num_preemptions == 0
-            and request.request_id not in self._no_remote_kv
-        )
-
-    def _start_remote_load(
-        self, request: Request, computed_blocks: list, num_computed: int, num_external: int
-    ) -> int:
-        """Allocate blocks for the whole prompt (the remote tokens and the ones computed
-        here after they land, so two landed loads can never wait on each other's blocks) and
-        park the request until the remote tokens land."""
-        kv = self.kv_cache_manager
-        num_local = request.num_tokens - num_computed - num_external
-        new_blocks = kv.allocate_slots(
-            request, num_local, num_computed, computed_blocks, num_external
-        )
-        if new_blocks is None:
-            return _STOP
-        block_ids = kv.get_block_ids(request.request_id)
-        self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
-        request.num_computed_tokens = num_computed
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._remote_loads[request.request_id] = num_computed + num_external
-        return _SKIP
-
     def _admit(
         self,
         request: Request,
@@ -376,7 +350,7 @@ class Scheduler:
             new_blocks = kv.allocate_slots(request, num_new, num_hit, computed_blocks, num_external)
         if new_blocks is None:
             self.encoder_cache_manager.free(request)  # references taken while planning
-            return _STOP
+            return STOP
         if enc is not None:
             commit_encoder_inputs(request, enc, st, *self._enc)
         if self.kv_connector is not None and request.request_id not in self._no_remote_kv:
@@ -392,7 +366,7 @@ class Scheduler:
             request.queue_time_s = time.monotonic() - request.queued_time
         self._record_admitted(request, st)
         st.record(request, num_new)
-        return _SCHEDULED
+        return SCHEDULED
 
     def _record_admitted(self, request: Request, st: StepState) -> None:
         rid = request.request_id
@@ -478,16 +452,6 @@ class Scheduler:
             outputs.extend(self._update_from_kv_output(runner_output.kv_connector_output))
         return outputs
 
-    def _publish_loaded_blocks(self, scheduler_output: SchedulerOutput) -> None:
-        """Publish the blocks of requests admitted with a synchronous remote load, which
-        the step that just ran filled (the loaded tokens and the ones computed after them)."""
-        ran = scheduler_output.num_scheduled_tokens
-        for rid in self._publish_after_step:
-            request = self.requests.get(rid)
-            if rid in ran and request is not None and request.status == RequestStatus.RUNNING:
-                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        self._publish_after_step = []
-
     def _append_tokens(
         self,
         request: Request,
@@ -554,60 +518,6 @@ class Scheduler:
         self._no_remote_kv.discard(rid)
         self._pending_sends.discard(rid)
         self._aborted_recving.discard(rid)
-
-    # ---- KV connector events ----------------------------------------------------------
-    def _update_from_kv_output(self, kv_output) -> list[EngineCoreOutput]:
-        outputs = []
-        for rid in kv_output.finished_sending:
-            if rid in self._pending_sends:
-                self._free_request(self.requests[rid])
-        for rid in kv_output.failed_recving:
-            output = self._on_load_failed(rid)
-            if output is not None:
-                outputs.append(output)
-        for rid in kv_output.finished_recving:
-            self._on_load_done(rid)
-        return outputs
-
-    def _on_load_done(self, rid: str) -> None:
-        """Remote KV landed: the request resumes as WAITING with the loaded tokens computed,
-        except the last prompt token when all were loaded (its logits are needed)."""
-        request = self.requests.get(rid)
-        if rid in self._aborted_recving:
-            self._free_request(request)
-            return
-        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return
-        num_loaded = self._remote_loads.pop(rid)
-        request.num_computed_tokens = min(num_loaded, request.num_tokens - 1)
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        request.status = RequestStatus.WAITING
-        self._no_remote_kv.add(rid)
-
-    def _on_load_failed(self, rid: str) -> EngineCoreOutput | None:
-        request = self.requests.get(rid)
-        if rid in self._aborted_recving:
-            self._free_request(request)
-            return None
-        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return None
-        self._remote_loads.pop(rid, None)
-        self._no_remote_kv.add(rid)
-        if self.scheduler_config.kv_load_failure_policy == "recompute":
-            self.kv_cache_manager.free(request)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING  # stays in skipped_waiting, prefills here
-            return None
-        self.skipped_waiting.remove_requests((request,))
-        request.status = RequestStatus.FINISHED_ERROR
-        request.error = (
-            f"request {rid!r}: loading its KV cache from the prefill instance failed "
-            "(kv_load_failure_policy='fail')"
-        )
-        params = self._finish(request)
-        return EngineCoreOutput(
-            rid, [], finish_reason="error", error=request.error, kv_transfer_params=params
-        )
 
     # ---- aborts and external stops ----------------------------------------------------
     def finish_requests(

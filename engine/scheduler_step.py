@@ -15,6 +15,7 @@ from engine.encoder_cache_manager import EncoderCacheManager
 from engine.outputs import CachedRequestData, NewRequestData, PromptLogprobs
 from engine.request import Request, RequestStatus
 
+SCHEDULED, SKIP, STOP = 0, 1, 2  # outcome of trying one waiting request
 EncoderPlan = tuple[list[int], list[int]]  # (feature indices to encode, indices to load)
 
 
