@@ -46,9 +46,7 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        model, self.model_info = load_model(
-            config.model, self.device, self.dtype, config.scheduler.max_model_len
-        )
+        model, self.model_info = load_model(config.model, self.device, self.dtype)
         cache = size_cache(config.cache, self.model_info, self.dtype, self.device, model)
         self.config = config = dataclasses.replace(config, cache=cache)
         self.tokenizer = Tokenizer(config.model)

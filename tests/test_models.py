@@ -258,11 +258,6 @@ def test_loader_errors(tmp_path):
     with pytest.raises(ValueError, match="not supported"):
         load_model(str(ckpt), CPU, DTYPE)
 
-    config_path.write_text(json.dumps({**config, "sliding_window": 16}))
-    with pytest.raises(NotImplementedError, match="sliding_window"):
-        load_model(str(ckpt), CPU, DTYPE)
-    load_model(str(ckpt), CPU, DTYPE, max_model_len=16)  # the window never bites
-
     rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
     config_path.write_text(json.dumps({**config, "rope_parameters": rope}))
     with pytest.raises(NotImplementedError, match="yarn"):
