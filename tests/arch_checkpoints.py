@@ -27,49 +27,42 @@ _COMMON = dict(
 )
 
 
-def _qwen3(vocab: int):
-    return transformers.Qwen3Config(vocab_size=vocab, num_hidden_layers=2, **_COMMON)
+def _qwen3(vocab: int, **overrides):
+    return transformers.Qwen3Config(
+        **{**_COMMON, "vocab_size": vocab, "num_hidden_layers": 2, **overrides}
+    )
 
 
-def _qwen3_moe(vocab: int, norm_topk_prob: bool = True):
-    return transformers.Qwen3MoeConfig(
-        vocab_size=vocab,
+def _qwen3_moe(vocab: int, **overrides):
+    moe = dict(
         num_hidden_layers=3,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
-        norm_topk_prob=norm_topk_prob,
+        norm_topk_prob=True,
         mlp_only_layers=[1],  # one dense layer among the sparse ones
-        **_COMMON,
     )
+    return transformers.Qwen3MoeConfig(**{**_COMMON, "vocab_size": vocab, **moe, **overrides})
 
 
-def _mixtral(vocab: int):
-    return transformers.MixtralConfig(
-        vocab_size=vocab,
-        num_hidden_layers=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=None,
-        **_COMMON,
-    )
+def _mixtral(vocab: int, **overrides):
+    moe = dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    return transformers.MixtralConfig(**{**_COMMON, "vocab_size": vocab, **moe, **overrides})
 
 
-def _gemma2(vocab: int):
-    return transformers.Gemma2Config(
-        vocab_size=vocab,
+def _gemma2(vocab: int, **overrides):
+    gemma = dict(
         num_hidden_layers=4,
         sliding_window=SLIDING_WINDOW,
         query_pre_attn_scalar=24,  # not head_dim, so that the scale is checked
         attn_logit_softcapping=2.0,  # low enough to bend these small scores
         final_logit_softcapping=3.0,
-        **_COMMON,
     )
+    return transformers.Gemma2Config(**{**_COMMON, "vocab_size": vocab, **gemma, **overrides})
 
 
-def _gemma3(vocab: int):
-    return transformers.Gemma3TextConfig(
-        vocab_size=vocab,
+def _gemma3(vocab: int, **overrides):
+    gemma = dict(
         num_hidden_layers=4,
         sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention", "full_attention"] * 2,
@@ -78,8 +71,8 @@ def _gemma3(vocab: int):
             "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
-        **_COMMON,
     )
+    return transformers.Gemma3TextConfig(**{**_COMMON, "vocab_size": vocab, **gemma, **overrides})
 
 
 CONFIGS = {
@@ -106,11 +99,13 @@ def random_model(model_type: str, vocab: int, seed: int = 0, **overrides) -> tor
     return model
 
 
-def make_checkpoint(model_type: str, path: Path, tokenizer_dir: str, seed: int = 0) -> Path:
+def make_checkpoint(
+    model_type: str, path: Path, tokenizer_dir: str, seed: int = 0, **overrides
+) -> Path:
     """The folder of a random `model_type` checkpoint, with the tokenizer of `tokenizer_dir`
     (whose vocabulary size the model takes)."""
     vocab = json.loads((Path(tokenizer_dir) / "config.json").read_text())["vocab_size"]
-    random_model(model_type, vocab, seed).save_pretrained(str(path))
+    random_model(model_type, vocab, seed, **overrides).save_pretrained(str(path))
     for name in TOKENIZER_FILES:
         shutil.copy(Path(tokenizer_dir) / name, path / name)
     return path

@@ -32,7 +32,7 @@ _EVERY_NTH_FULL = {"gemma2": 2, "gemma3_text": 6}
 def gemma_config(cfg: dict[str, Any], model_type: str) -> DecoderConfig:
     """DecoderConfig of a Gemma 2 / Gemma 3 text config.json."""
     base = DecoderConfig.from_hf(cfg, model_type)
-    every_nth = cfg.get("sliding_window_pattern", _EVERY_NTH_FULL[model_type])
+    every_nth = cfg.get("sliding_window_pattern") or _EVERY_NTH_FULL[model_type]
     rope_theta, rope_scaling, local_theta = base.rope_theta, base.rope_scaling, None
     if model_type == "gemma3_text":
         by_layer_type = cfg.get("rope_parameters") or {}
