@@ -75,6 +75,14 @@ def _gemma3(vocab: int, **overrides):
     return transformers.Gemma3TextConfig(**{**_COMMON, "vocab_size": vocab, **gemma, **overrides})
 
 
+def _qwen2(vocab: int, **overrides):
+    return transformers.Qwen2Config(
+        **{**_COMMON, "vocab_size": vocab, "num_hidden_layers": 2, **overrides}
+    )
+
+
+# Qwen2 is served by the engine tests of its preset; here it is only a GGUF source.
+GGUF_SOURCES = {"qwen2": (_qwen2, transformers.Qwen2ForCausalLM)}
 CONFIGS = {
     "qwen3": (_qwen3, transformers.Qwen3ForCausalLM),
     "qwen3_moe": (_qwen3_moe, transformers.Qwen3MoeForCausalLM),
@@ -87,14 +95,14 @@ CONFIGS = {
 def random_model(model_type: str, vocab: int, seed: int = 0, **overrides) -> torch.nn.Module:
     """transformers' model of `model_type` with random weights, its norms (which initialise
     to a constant) and routers (zeros in Qwen3-MoE) drawn too, so that every weight counts."""
-    make_config, model_cls = CONFIGS[model_type]
+    make_config, model_cls = {**CONFIGS, **GGUF_SOURCES}[model_type]
     torch.manual_seed(seed)
     model = model_cls(make_config(vocab, **overrides)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0 if model_type.startswith(("qwen", "mixtral")) else 0.0, 0.3)
-            elif name.endswith(".gate.weight"):  # a router
+            elif name.endswith((".bias", ".gate.weight")):  # biases and routers (zeros)
                 param.normal_(0.0, 0.5)
     return model
 

@@ -1,4 +1,4 @@
-"""GGUF files of the Qwen3, Qwen3-MoE, Mixtral (llama with experts) and Gemma 2/3 layouts,
+"""GGUF files of the Qwen2, Qwen3, Qwen3-MoE, Mixtral (llama with experts) and Gemma 2/3 layouts,
 written here as llama.cpp's converter writes them (the `gguf` package's tensor names, merged
 expert tensors, permuted llama q/k rows, Gemma norms stored as 1 + w), load into the very
 model that the transformers checkpoint they came from loads into."""
@@ -23,6 +23,7 @@ gguf = pytest.importorskip("gguf")
 
 CPU = torch.device("cpu")
 GGUF_ARCH = {  # model_type -> GGUF architecture
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     "mixtral": gguf.MODEL_ARCH.LLAMA,
@@ -35,6 +36,7 @@ GGUF_EXPRESSIBLE = {
     "gemma2": {"query_pre_attn_scalar": 16},
     "gemma3_text": {"query_pre_attn_scalar": 16},
     "qwen3_moe": {"mlp_only_layers": []},
+    "qwen2": {},
     "qwen3": {},
     "mixtral": {},
 }
@@ -99,7 +101,7 @@ def _gguf_tensors(weights: dict[str, torch.Tensor], config: dict, arch) -> dict[
                 values = _llama_cpp_permute(tensor, heads[part])
         if config["model_type"].startswith("gemma") and hf_name.endswith("norm.weight"):
             values = values + 1.0
-        out[names.get_name(hf_name, try_suffixes=(".weight",))] = values
+        out[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = values
     return out
 
 
