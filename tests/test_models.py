@@ -73,7 +73,7 @@ def make_qwen2_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
 
 
 def make_mistral_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
-    kwargs = _tiny_text_kwargs(sliding_window=None, num_key_value_heads=1, **overrides)
+    kwargs = _tiny_text_kwargs(**{"sliding_window": None, "num_key_value_heads": 1, **overrides})
     torch.manual_seed(seed)
     return save_hf_model(
         transformers.MistralForCausalLM(transformers.MistralConfig(**kwargs)), path
