@@ -46,6 +46,7 @@ class DecodeBatch:
     token_indices: torch.Tensor | None  # [D] long: row in T of each; None = all T rows in order
     block_tables: torch.Tensor  # [D, max_blocks] long, padded with block 0 (masked out)
     key_mask: torch.Tensor  # [D, 1, 1, max_blocks * block_size] bool, True = attend
+    seq_lens: torch.Tensor  # [D] long: keys each one reads (its query sits at seq_len - 1)
 
     @classmethod
     def build(
@@ -68,7 +69,14 @@ class DecodeBatch:
             else torch.tensor(token_indices, dtype=torch.long, device=device),
             block_tables=torch.tensor(padded, dtype=torch.long, device=device),
             key_mask=(k_pos[None, :] < lens[:, None])[:, None, None],  # [D, 1, 1, ctx]
+            seq_lens=lens,
         )
+
+    def window_mask(self, sliding_window: int) -> torch.Tensor:
+        """`key_mask` narrowed to the last `sliding_window` keys of each sequence."""
+        k_pos = torch.arange(self.key_mask.shape[-1], device=self.key_mask.device)  # [ctx]
+        recent = k_pos[None, :] >= (self.seq_lens - sliding_window)[:, None]  # [D, ctx]
+        return self.key_mask & recent[:, None, None]  # [D, 1, 1, ctx]
 
 
 @dataclass
@@ -77,6 +85,7 @@ class PrefillSegment:
 
     token_start: int  # first row in T of its new tokens
     token_end: int  # one past its last row in T
+    num_computed: int  # tokens already in the cache before this step
     seq_len: int  # tokens in the sequence after this step = keys it reads
     block_ids: torch.Tensor  # [ceil(seq_len / block_size)] long
     attn_mask: torch.Tensor | None  # [q_len, seq_len] bool, True = attend; None: no cached
@@ -101,10 +110,22 @@ class PrefillSegment:
         return cls(
             token_start=token_start,
             token_end=token_start + num_new,
+            num_computed=num_computed,
             seq_len=seq_len,
             block_ids=torch.tensor(block_ids, dtype=torch.long, device=device),
             attn_mask=mask,
         )
+
+    def causal_mask(self, sliding_window: int | None = None) -> torch.Tensor:
+        """[q_len, seq_len] bool: each new token sees keys 0..its position, or only the last
+        `sliding_window` of them (itself included), as transformers' sliding-window mask."""
+        device = self.block_ids.device
+        q_pos = self.num_computed + torch.arange(self.token_end - self.token_start, device=device)
+        k_pos = torch.arange(self.seq_len, device=device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        return mask
 
 
 @dataclass
@@ -245,37 +266,78 @@ def gather_kv(
     return ctx.transpose(1, 2).to(dtype)  # [2, N, kvh, ctx, hd]
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How one layer's scores are formed: `scale` (usually head_dim ** -0.5), an optional
+    `sliding_window` (a query sees only the last that many keys, itself included) and an
+    optional `softcap` (scores become softcap * tanh(scores / softcap) before the mask)."""
+
+    scale: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    opts: AttentionOptions,
+) -> torch.Tensor:
+    """q [N, H, q_len, hd], k/v [N, kvh, k_len, hd], mask broadcastable to [N, H, q_len, k_len]
+    (True = attend; None = causal). SDPA unless the scores are soft-capped, which SDPA cannot
+    do; then the same computation in plain ops, softmax in float32 as transformers does."""
+    if opts.softcap is None:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=opts.scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    group = q.shape[1] // k.shape[1]  # query head h reads KV head h // group
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * opts.scale  # [N, H, q_len, k_len]
+    scores = torch.tanh(scores / opts.softcap) * opts.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)  # [N, H, q_len, hd]
+
+
 def decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, layer_idx: int, decodes: DecodeBatch, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer_idx: int,
+    decodes: DecodeBatch,
+    opts: AttentionOptions,
 ) -> torch.Tensor:
     """q: [D, H, hd], one query per sequence, over its whole context. Returns [D, H, hd]."""
     layer_kv = gather_kv(kv_cache, layer_idx, decodes.block_tables, q.dtype)  # [2, D, kvh, ctx, hd]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None],  # [D, H, 1, hd]
-        layer_kv[0],
-        layer_kv[1],
-        attn_mask=decodes.key_mask,  # [D, 1, 1, ctx]
-        scale=scale,
-        enable_gqa=q.shape[1] != layer_kv.shape[2],
-    )  # [D, H, 1, hd]
+    mask = decodes.key_mask  # [D, 1, 1, ctx]
+    if opts.sliding_window is not None:
+        mask = decodes.window_mask(opts.sliding_window)
+    out = attend(q[:, :, None], layer_kv[0], layer_kv[1], mask, opts)  # [D, H, 1, hd]
     return out[:, :, 0]  # [D, H, hd]
 
 
 def prefill_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, layer_idx: int, seg: PrefillSegment, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer_idx: int,
+    seg: PrefillSegment,
+    opts: AttentionOptions,
 ) -> torch.Tensor:
     """q: [q_len, H, hd], the segment's new tokens, causal over its context. Returns the same."""
     layer_kv = gather_kv(kv_cache, layer_idx, seg.block_ids[None], q.dtype)  # [2, 1, kvh, ctx, hd]
     layer_kv = layer_kv[:, :, :, : seg.seq_len]  # [2, 1, kvh, seq_len, hd]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],  # [1, H, q_len, hd]
-        layer_kv[0],
-        layer_kv[1],
-        attn_mask=seg.attn_mask,  # [q_len, seq_len] or None
-        is_causal=seg.attn_mask is None,
-        scale=scale,
-        enable_gqa=q.shape[1] != layer_kv.shape[2],
-    )  # [1, H, q_len, hd]
+    mask = seg.attn_mask  # [q_len, seq_len] or None (plain causal)
+    if opts.sliding_window is not None and seg.seq_len > opts.sliding_window:
+        mask = seg.causal_mask(opts.sliding_window)
+    out = attend(q.transpose(0, 1)[None], layer_kv[0], layer_kv[1], mask, opts)  # [1, H, q, hd]
     return out[0].transpose(0, 1)  # [q_len, H, hd]
 
 
@@ -287,23 +349,27 @@ def paged_attention(
     layer_idx: int,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every new token over its sequence's tokens 0..pos.
+    """Causal attention of every new token over its sequence's tokens 0..pos (or its window).
 
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns [T, num_heads,
     head_dim]. K/V of the new tokens are written to the cache first, then read back with the
     context through the block tables, so prefix hits, chunks and decodes share one path.
     Decodes run as one batch; each prefill chunk runs alone over its own context.
+    `sliding_window` and `softcap` are as in `AttentionOptions`.
     """
+    opts = AttentionOptions(scale, sliding_window, softcap)
     write_kv(k, v, kv_cache, layer_idx, meta)
     decodes = meta.decodes
     if decodes is not None and decodes.token_indices is None:  # decode-only step
-        return decode_attention(q, kv_cache, layer_idx, decodes, scale)  # [T, H, hd]
+        return decode_attention(q, kv_cache, layer_idx, decodes, opts)  # [T, H, hd]
     out = torch.empty_like(q)  # [T, H, hd]
     if decodes is not None:
         rows = decodes.token_indices  # [D]
-        out[rows] = decode_attention(q[rows], kv_cache, layer_idx, decodes, scale)
+        out[rows] = decode_attention(q[rows], kv_cache, layer_idx, decodes, opts)
     for seg in meta.prefills:
         rows = slice(seg.token_start, seg.token_end)
-        out[rows] = prefill_attention(q[rows], kv_cache, layer_idx, seg, scale)
+        out[rows] = prefill_attention(q[rows], kv_cache, layer_idx, seg, opts)
     return out  # [T, H, hd]

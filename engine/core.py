@@ -78,9 +78,7 @@ class EngineCore:
                 self.sim_profile, self.model_info, self.runner_cache, special_ids,
                 config.sim_time_scale,
             )  # fmt: skip
-        model, self.model_info = load_model(
-            config.model, self.device, self.dtype, config.scheduler.max_model_len
-        )
+        model, self.model_info = load_model(config.model, self.device, self.dtype)
         self.runner_cache = size_cache(
             config.cache, self.model_info, self.dtype, self.device, model
         )

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.llama import get_act_fn
+from engine.models.mlp import get_act_fn
 
 
 @dataclass(frozen=True)

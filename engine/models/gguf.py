@@ -1,9 +1,11 @@
-"""llama.cpp GGUF checkpoints of the Llama family, read with the `gguf` package.
+"""llama.cpp GGUF checkpoints, read with the `gguf` package: `llama` (Llama, and Mixtral when it
+has experts), `qwen2`, `qwen3`, `qwen3moe`, `gemma2` and `gemma3`.
 
 `write_checkpoint_files(gguf_path, out_dir)` turns the file's metadata into the small files of a
 Hugging Face checkpoint folder (config.json, generation_config.json, tokenizer.json,
 tokenizer_config.json) and links the GGUF file into it as `model.gguf`; `read_tensors(path)`
-yields the weights under transformers' names, dequantized to float32 one tensor at a time, so
+yields the weights under transformers' names (a MoE's merged `ffn_*_exps` tensors as one tensor
+per expert, named as Qwen3-MoE checkpoints name them), dequantized to float32 one tensor at a time, so
 no float copy of the checkpoint is ever written. Both follow transformers' own GGUF loading,
 which is the reference the tests compare against.
 """
@@ -26,7 +28,20 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 GGUF_WEIGHTS = "model.gguf"  # in a checkpoint folder: a link to the GGUF file holding the weights
-SUPPORTED_ARCHITECTURE = "llama"
+# GGUF architecture -> (transformers architecture, model_type); llama with experts is Mixtral.
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# llama.cpp interleaves the rotary halves of q/k rows only for these (GPT-J-style rope).
+_PERMUTED_ROPE = ("llama",)
+# llama.cpp stores Gemma's RMSNorm weights as 1 + w (ggml scales by w).
+_UNIT_OFFSET_NORMS = ("gemma2", "gemma3")
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 _LLAMA3_SPLIT = (
@@ -37,7 +52,7 @@ _LLAMA3_SPLIT = (
 # GPT-2 does, as transformers does.
 _PRE_TOKENIZER_SPLITS = dict.fromkeys(
     ("llama-bpe", "llama3", "llama-v3", "smaug-bpe"), _LLAMA3_SPLIT
-)
+) | {"qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")}  # Qwen splits single digits
 
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -51,23 +66,36 @@ _LAYER_TENSOR_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+}
+_GEMMA_LAYER_TENSOR_NAMES = {  # Gemma's sandwich norms
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_EXPERT_TENSOR_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
-    """The file's reader, for a Llama-family GGUF; anything else raises ValueError."""
+    """The file's reader, for a GGUF of one of `ARCHITECTURES`; else ValueError."""
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError) as e:  # a bad magic number, a truncated file
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
     architecture = _field(reader, "general.architecture")
-    if architecture != SUPPORTED_ARCHITECTURE:
+    if architecture not in ARCHITECTURES:
         raise ValueError(
-            f"GGUF architecture {architecture!r} is not supported ({SUPPORTED_ARCHITECTURE} only)"
+            f"GGUF architecture {architecture!r} is not supported ({', '.join(ARCHITECTURES)})"
         )
     return reader
 
@@ -91,26 +119,31 @@ def _required(reader: GGUFReader, key: str) -> Any:
 
 # ---- config.json and generation_config.json ---------------------------------------------------
 def hf_config(reader: GGUFReader) -> dict[str, Any]:
-    """config.json of the equivalent transformers Llama checkpoint."""
-    arch = SUPPORTED_ARCHITECTURE
+    """config.json of the equivalent transformers checkpoint."""
+    arch = _field(reader, "general.architecture")
     num_heads = int(_required(reader, f"{arch}.attention.head_count"))
     hidden = int(_required(reader, f"{arch}.embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
     vocab_size = _field(reader, f"{arch}.vocab_size") or len(
         _required(reader, "tokenizer.ggml.tokens")
     )
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(
+        reader, f"{arch}.rope.dimension_count", hidden // num_heads
+    )
+    num_experts = int(_field(reader, f"{arch}.expert_count", 0))
+    architecture, model_type = _MIXTRAL if arch == "llama" and num_experts else ARCHITECTURES[arch]
+    config = {
+        "architectures": [architecture],
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names and arch != "qwen2",
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
+        "head_dim": int(head_dim),
         "hidden_act": "silu",
         "hidden_size": hidden,
         "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length")),
         "max_position_embeddings": int(_required(reader, f"{arch}.context_length")),
         "mlp_bias": False,
-        "model_type": "llama",
+        "model_type": model_type,
         "num_attention_heads": num_heads,
         "num_hidden_layers": int(_required(reader, f"{arch}.block_count")),
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
@@ -120,6 +153,44 @@ def hf_config(reader: GGUFReader) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "vocab_size": int(vocab_size),
     }
+    return {**config, **_moe_config(reader, arch, num_experts), **_gemma_config(reader, arch)}
+
+
+def _moe_config(reader: GGUFReader, arch: str, num_experts: int) -> dict[str, Any]:
+    if not num_experts:
+        return {}
+    config = {
+        "num_experts_per_tok": int(_required(reader, f"{arch}.expert_used_count")),
+        "num_local_experts": num_experts,
+    }
+    if arch == "qwen3moe":
+        config["num_experts"] = num_experts
+        config["moe_intermediate_size"] = int(
+            _required(reader, f"{arch}.expert_feed_forward_length")
+        )
+        # llama.cpp renormalises Qwen3-MoE's top-k weights unless the file says otherwise.
+        config["norm_topk_prob"] = bool(_field(reader, f"{arch}.expert_weights_norm", True))
+    return config
+
+
+def _gemma_config(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    """Gemma's extras. llama.cpp keeps no query_pre_attn_scalar: it scales by head_dim, and
+    Gemma 3's sliding layers have RoPE base 10000 and every 6th layer is full."""
+    if arch not in _UNIT_OFFSET_NORMS:
+        return {}
+    config = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": int(_required(reader, f"{arch}.attention.key_length")),
+        "sliding_window": _field(reader, f"{arch}.attention.sliding_window"),
+        "attn_logit_softcapping": _field(reader, f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": _field(reader, f"{arch}.final_logit_softcapping"),
+        "sliding_window_pattern": _field(reader, f"{arch}.attention.sliding_window_pattern"),
+    }
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if arch == "gemma3" and factor is not None:
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    return config
 
 
 def generation_config(reader: GGUFReader) -> dict[str, Any]:
@@ -230,16 +301,24 @@ def write_checkpoint_files(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
 
 # ---- weights ---------------------------------------------------------------------------------
-def hf_tensor_name(name: str) -> str | None:
-    """transformers' name of a GGUF tensor, or None for a tensor this loader does not know."""
+def hf_tensor_name(name: str, arch: str = "llama") -> str | None:
+    """transformers' name of a GGUF tensor, or None for a tensor this loader does not know.
+    A merged expert tensor gets the name with `{expert}` left to fill in."""
     stem, dot, kind = name.rpartition(".")
     if stem in _TENSOR_NAMES:
         return f"{_TENSOR_NAMES[stem]}{dot}{kind}"
     match = _LAYER_TENSOR.match(name)
-    if match is None or match.group(2) not in _LAYER_TENSOR_NAMES:
+    if match is None:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[part]}.{kind}"
+    names = _LAYER_TENSOR_NAMES
+    if arch in _UNIT_OFFSET_NORMS:
+        names = {**names, **_GEMMA_LAYER_TENSOR_NAMES}
+    if part in _EXPERT_TENSOR_NAMES:
+        return f"model.layers.{layer}.mlp.experts.{{expert}}.{_EXPERT_TENSOR_NAMES[part]}.{kind}"
+    if part not in names:
+        return None
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -264,21 +343,43 @@ def _dequantized(tensor: ReaderTensor) -> np.ndarray:
 
 def read_tensors(path: str | Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     """(name, loader) for every tensor of the file: transformers' name (the GGUF name when it
-    has none) and a function that dequantizes it to a float32 tensor, q/k rows unpermuted."""
+    has none) and a function that dequantizes it to a float32 tensor, as transformers reads
+    it: q/k rows unpermuted, Gemma's norms without llama.cpp's +1, merged experts split."""
     reader = open_gguf(path)
-    num_heads = int(_required(reader, "llama.attention.head_count"))
-    num_kv_heads = int(_field(reader, "llama.attention.head_count_kv", num_heads))
+    arch = _field(reader, "general.architecture")
+    num_heads = int(_required(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
     heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
-        rope_heads = next((n for part, n in heads.items() if name and f".{part}." in name), None)
+        name = hf_tensor_name(tensor.name, arch)
+        rope_heads = None
+        if arch in _PERMUTED_ROPE:
+            rope_heads = next(
+                (n for part, n in heads.items() if name and f".{part}." in name), None
+            )
+        unit_offset = arch in _UNIT_OFFSET_NORMS and tensor.name.endswith("norm.weight")
+        load = functools.partial(_load, tensor, rope_heads, unit_offset)
+        if name is not None and "{expert}" in name:
+            yield from _split_experts(name, tensor, load)
+        else:
+            yield name or tensor.name, load
 
-        def load(
-            tensor: ReaderTensor = tensor, rope_heads: int | None = rope_heads
-        ) -> torch.Tensor:
-            values = _dequantized(tensor)
-            if rope_heads is not None:
-                values = _unpermute_rope(values, rope_heads)
-            return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
 
-        yield name or tensor.name, load
+def _load(tensor: ReaderTensor, rope_heads: int | None, unit_offset: bool) -> torch.Tensor:
+    values = _dequantized(tensor)
+    if rope_heads is not None:
+        values = _unpermute_rope(values, rope_heads)
+    if unit_offset:
+        values = values - 1.0
+    return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
+
+
+def _split_experts(
+    name: str, tensor: ReaderTensor, load: Callable[[], torch.Tensor]
+) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """One (name, loader) per expert of a merged [experts, rows, cols] tensor; the merged
+    tensor is dequantized once, when the first expert's loader runs."""
+    merged = functools.cache(load)
+    num_experts = int(tensor.shape[-1])  # GGUF lists the axes innermost first
+    for expert in range(num_experts):
+        yield name.format(expert=expert), lambda e=expert: merged()[e].clone()

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2 layouts) over the paged KV cache.
+"""Llama-family decoder over the paged KV cache: Llama, Mistral, Qwen2, Qwen3 (per-head q/k
+RMSNorm), and with a sparse MoE block Mixtral and Qwen3-MoE. Gemma builds on it (gemma.py).
 
 Parameter names match Hugging Face checkpoints (`model.layers.N.self_attn.q_proj.weight`, ...)
 so weights load by name with no mapping.
@@ -11,31 +12,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.models.mlp import GatedMLP
+from engine.models.moe import MoeConfig, SparseMoeBlock
 
-ACT_FNS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "relu": F.relu,
-}
-
-
-def get_act_fn(name: str):
-    if name not in ACT_FNS:
-        raise NotImplementedError(f"activation {name!r} is not supported ({sorted(ACT_FNS)})")
-    return ACT_FNS[name]
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+# Model types whose `sliding_window` applies only with `use_sliding_window`.
+OPT_IN_WINDOW_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """The fields of a Hugging Face Llama/Mistral/Qwen2 config.json that shape the model."""
+    """The fields of a Hugging Face decoder config.json that shape the model. The fields with
+    defaults are off for plain Llama; Gemma sets its own in `gemma.gemma_config`."""
 
     vocab_size: int
     hidden_size: int
@@ -53,6 +44,15 @@ class DecoderConfig:
     o_bias: bool
     mlp_bias: bool
     tie_word_embeddings: bool
+    layer_windows: tuple[int | None, ...]  # per layer: its sliding window, None = full
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    moe: MoeConfig | None = None
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight) (Gemma)
+    query_pre_attn_scalar: float | None = None  # softmax scale = this ** -0.5 (default head_dim)
+    attn_softcap: float | None = None  # attention scores soft-capped at this (Gemma 2)
+    final_softcap: float | None = None  # logits soft-capped at this (Gemma 2)
+    embed_scale: float = 1.0  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    local_rope_theta: float | None = None  # RoPE base of sliding layers (Gemma 3), else shared
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], model_type: str) -> DecoderConfig:
@@ -60,12 +60,13 @@ class DecoderConfig:
         hidden = cfg.get("hidden_size", 4096)
         attention_bias = bool(cfg.get("attention_bias", False))
         is_qwen2 = model_type == "qwen2"
-        rope_theta, rope_scaling = _rope_params(cfg)
+        rope_theta, rope_scaling = rope_params(cfg)
+        num_layers = cfg.get("num_hidden_layers", 32)
         return cls(
             vocab_size=cfg.get("vocab_size", 32000),
             hidden_size=hidden,
             intermediate_size=cfg.get("intermediate_size", 11008),
-            num_layers=cfg.get("num_hidden_layers", 32),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or hidden // num_heads,
@@ -73,15 +74,43 @@ class DecoderConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            hidden_act=cfg.get("hidden_act", "silu"),
+            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            layer_windows=layer_windows(cfg, model_type, num_layers),
+            qk_norm=model_type in QK_NORM_MODEL_TYPES,
+            moe=MoeConfig.from_hf(cfg, model_type, num_layers),
         )
 
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+
+def layer_windows(
+    cfg: dict[str, Any], model_type: str, num_layers: int, every_nth_full: int | None = None
+) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None = full attention): from `layer_types` when the config
+    lists them, else every layer (Mistral, Mixtral), else all but every `every_nth_full`-th
+    (Gemma's default pattern), or Qwen2's layers from `max_window_layers` on."""
+    window = cfg.get("sliding_window")
+    if window is None or (
+        model_type in OPT_IN_WINDOW_MODEL_TYPES and not cfg.get("use_sliding_window", False)
+    ):
+        return (None,) * num_layers
+    if cfg.get("layer_types"):
+        return tuple(window if t == "sliding_attention" else None for t in cfg["layer_types"])
+    if every_nth_full is not None:
+        return tuple(window if (i + 1) % every_nth_full else None for i in range(num_layers))
+    if model_type in OPT_IN_WINDOW_MODEL_TYPES:
+        first = cfg.get("max_window_layers", num_layers)
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (window,) * num_layers
+
+
+def rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from either `rope_parameters` (transformers>=5) or the
     older `rope_theta` + `rope_scaling`."""
     params = dict(cfg.get("rope_parameters") or {})
@@ -92,18 +121,6 @@ def _rope_params(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "default":
         return theta, None
     return theta, {**scaling, "rope_type": rope_type}
-
-
-def check_sliding_window(cfg: dict[str, Any], model_type: str, max_len: int) -> None:
-    """Sliding-window attention is not implemented; accept it only where it never bites."""
-    window = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-        return
-    if window is not None and window < max_len:
-        raise NotImplementedError(
-            f"sliding_window={window} is smaller than the context length {max_len}; sliding-"
-            "window attention is not supported (serve with max_model_len <= sliding_window)"
-        )
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -158,14 +175,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """x / rms(x) scaled by `weight`, or by `1 + weight` with `unit_offset` (Gemma, which also
+    scales in float32 before casting back)."""
+
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()  # statistics in float32 whatever the model dtype
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -178,43 +201,49 @@ class DecoderAttention(nn.Module):
             cfg.num_kv_heads,
             cfg.head_dim,
         )
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale
+        self.sliding_window = cfg.layer_windows[layer_idx]
+        self.softcap = cfg.attn_softcap
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, self.layer_idx, meta, self.scale)  # [T, H, hd]
+        out = paged_attention(
+            q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.sliding_window, self.softcap
+        )  # [T, H, hd]
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, hidden]
 
 
-class GatedMLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        bias = cfg.mlp_bias
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
-        self.act = get_act_fn(cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+def make_mlp(cfg: DecoderConfig, layer_idx: int) -> nn.Module:
+    """The layer's feed-forward block: a sparse MoE where the config puts one, else dense."""
+    if cfg.moe is not None and cfg.moe.sparse_layers[layer_idx]:
+        return SparseMoeBlock(cfg.hidden_size, cfg.moe, cfg.hidden_act)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.self_attn = DecoderAttention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset
+        )
+        self.mlp = make_mlp(cfg, layer_idx)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
@@ -222,21 +251,26 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, layer_cls: type[DecoderLayer]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 decoder: token ids -> embeddings -> hidden states -> logits."""
+    """Llama-family decoder: token ids -> embeddings -> hidden states -> logits."""
+
+    layer_cls: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
+        self.model = DecoderModel(cfg, self.layer_cls)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.local_rotary_emb = None  # sliding layers' own RoPE, where their base differs
+        if cfg.local_rope_theta is not None:
+            self.local_rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.local_rope_theta, None)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -254,9 +288,13 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        cos, sin = self.rotary_emb.cos_sin(positions, inputs_embeds.dtype)  # [T, 1, hd]
+        rope = self.rotary_emb.cos_sin(positions, inputs_embeds.dtype)  # cos, sin [T, 1, hd]
+        local_rope = rope
+        if self.local_rotary_emb is not None:
+            local_rope = self.local_rotary_emb.cos_sin(positions, inputs_embeds.dtype)
         hidden = inputs_embeds
         for layer in self.model.layers:
+            cos, sin = rope if layer.self_attn.sliding_window is None else local_rope
             hidden = layer(hidden, cos, sin, kv_cache, meta)
         return self.model.norm(hidden)  # [T, hidden]
 

@@ -15,7 +15,8 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.models.clip import ClipVisionTower, VisionConfig
-from engine.models.llama import DecoderConfig, LlamaForCausalLM, get_act_fn
+from engine.models.llama import DecoderConfig, LlamaForCausalLM
+from engine.models.mlp import get_act_fn
 
 SELECT_STRATEGIES = ("default", "full")
 

@@ -20,13 +20,19 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.models import gguf
-from engine.models.llama import DecoderConfig, LlamaForCausalLM, check_sliding_window
+from engine.models.gemma import GEMMA_MODEL_TYPES, GemmaForCausalLM, gemma_config
+from engine.models.llama import DecoderConfig, LlamaForCausalLM
 from engine.models.llava import LlavaConfig, LlavaForConditionalGeneration
 
-TEXT_ARCHITECTURES = {
+TEXT_ARCHITECTURES = {  # architecture -> model_type
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
 SUPPORTED_ARCHITECTURES = (*TEXT_ARCHITECTURES, LLAVA_ARCHITECTURE)
@@ -40,6 +46,9 @@ _LLAVA_RENAMES = (
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("vision_tower.vision_model.", "vision_tower."),
 )
+# Mixtral's expert names mapped onto Qwen3-MoE's, which ours follow.
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])|(gate))\.")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _ALWAYS_UNUSED = re.compile(r"(rotary_emb\.inv_freq|embeddings\.position_ids)$")
 _VISION_LAYER = re.compile(r"^vision_tower\.encoder\.layers\.(\d+)\.")
 
@@ -63,17 +72,12 @@ class ModelInfo:
 
 
 def load_model(
-    model_dir: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_model_len: int | None = None,
+    model_dir: str, device: torch.device, dtype: torch.dtype
 ) -> tuple[nn.Module, ModelInfo]:
-    """Build the model of `model_dir` and load its weights. `max_model_len` (default: the
-    config's max_position_embeddings) only decides whether a sliding window can be ignored."""
+    """Build the model of `model_dir` and load its weights."""
     path = Path(model_dir)
     architecture, config = _read_config(path)
-    model, info, text_cfg_dict, text_type = _build(architecture, config, path)
-    check_sliding_window(text_cfg_dict, text_type, max_model_len or info.max_position_embeddings)
+    model, info = _build(architecture, config, path)
     state = _read_weights(path, model, device, dtype)
     _assign_weights(model, state)
     return model.eval().requires_grad_(False), info
@@ -93,23 +97,21 @@ def _read_config(path: Path) -> tuple[str, dict[str, Any]]:
     architecture = (config.get("architectures") or [None])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"architecture {architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
+            f"architecture {architecture!r} (model_type {config.get('model_type')!r}) is not "
+            f"supported; supported: {SUPPORTED_ARCHITECTURES}"
         )
     return architecture, config
 
 
-def _build(architecture: str, config: dict[str, Any], path: Path):
+def _build(architecture: str, config: dict[str, Any], path: Path) -> tuple[nn.Module, ModelInfo]:
     generation = _read_json(path / "generation_config.json") or {}
     with torch.device("meta"):
         if architecture == LLAVA_ARCHITECTURE:
             cfg = LlavaConfig.from_hf(config)
             model: nn.Module = LlavaForConditionalGeneration(cfg)
             text, text_dict = cfg.text, config.get("text_config") or {}
-            text_type = text_dict.get("model_type", "llama")
         else:
-            text_type = TEXT_ARCHITECTURES[architecture]
-            text, text_dict = DecoderConfig.from_hf(config, text_type), config
-            model, cfg = LlamaForCausalLM(text), None
+            model, text, text_dict, cfg = *_text_model(architecture, config), config, None
     info = ModelInfo(
         architecture=architecture,
         num_layers=text.num_layers,
@@ -126,7 +128,16 @@ def _build(architecture: str, config: dict[str, Any], path: Path):
         num_image_tokens=cfg.num_image_tokens if cfg else None,
         image_size=cfg.vision.image_size if cfg else None,
     )
-    return model, info, text_dict, text_type
+    return model, info
+
+
+def _text_model(architecture: str, config: dict[str, Any]) -> tuple[nn.Module, DecoderConfig]:
+    model_type = TEXT_ARCHITECTURES[architecture]
+    if model_type in GEMMA_MODEL_TYPES:
+        text = gemma_config(config, model_type)
+        return GemmaForCausalLM(text), text
+    text = DecoderConfig.from_hf(config, model_type)
+    return LlamaForCausalLM(text), text
 
 
 def _token_ids(key: str, *sources: dict[str, Any]) -> list[int]:
@@ -158,6 +169,8 @@ def _our_name(name: str, model: nn.Module) -> str | None:
     """Checkpoint name -> our parameter name, or None for weights we knowingly drop."""
     if _ALWAYS_UNUSED.search(name):
         return None
+    if ".block_sparse_moe." in name:
+        return _MIXTRAL_EXPERT.sub(_mixtral_to_ours, name)
     if isinstance(model, LlavaForConditionalGeneration):
         for old, new in _LLAVA_RENAMES:
             if name.startswith(old):
@@ -168,6 +181,11 @@ def _our_name(name: str, model: nn.Module) -> str | None:
         if layer and int(layer.group(1)) >= len(model.vision_tower.encoder.layers):
             return None  # past the selected feature layer
     return name
+
+
+def _mixtral_to_ours(match: re.Match[str]) -> str:
+    expert, proj, gate = match.groups()
+    return ".mlp.gate." if gate else f".mlp.experts.{expert}.{_MIXTRAL_PROJ[proj]}."
 
 
 def _tied_lm_head(model: nn.Module) -> str | None:
