@@ -434,7 +434,7 @@ CHATML = (
 
 
 def test_chat_template_content_format_is_detected():
-    from engine.presets import chat_template
+    from engine.preset_tokenizer import chat_template
     from engine.tokenizer import chat_template_takes_content_parts
 
     assert not chat_template_takes_content_parts(CHATML)

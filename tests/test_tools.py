@@ -6,7 +6,7 @@ import json
 
 from cluster.api.protocol import ChatCompletionRequest
 from cluster.api.tools import forced_call_schema, parse_tool_calls
-from engine.presets import chat_template
+from engine.preset_tokenizer import chat_template
 from engine.tokenizer import chat_template_takes_tools, compile_chat_template
 
 # ChatML with Hermes-style tools: the tools listed in a system turn, calls as
