@@ -275,3 +275,27 @@ def test_parallel_tool_calls_false_returns_one_call():
     assert [c["function"]["name"] for c in fields["tool_calls"]] == ["a", "b"]
     fields, reason = ToolCallParser(forced=False, max_calls=1).message(text, "stop")
     assert [c["function"]["name"] for c in fields["tool_calls"]] == ["a"] and reason == "tool_calls"
+
+
+def test_langchain_chat_openai_with_vllm_fields(base_url, client):
+    """LangChain's ChatOpenAI, as RAG and agent code calls it, passes vLLM's fields through
+    `extra_body`: its answer is the openai client's, whole and streamed."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    extra = {"min_p": 0.05, "cache_salt": "tenant-a", "ignore_eos": True}
+    llm = langchain_openai.ChatOpenAI(
+        base_url=f"{base_url}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=8,
+        extra_body=extra,
+    )  # fmt: skip
+    messages = [("system", "Be brief."), ("user", "Hi there!")]
+    answer = llm.invoke(messages)
+    direct = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": r, "content": c} for r, c in messages],
+        temperature=0,
+        max_tokens=8,
+        extra_body=extra,
+    )
+    assert answer.content == direct.choices[0].message.content
+    assert answer.response_metadata["finish_reason"] == "length"
+    assert answer.usage_metadata["output_tokens"] == 8
+    assert "".join(chunk.content for chunk in llm.stream(messages)) == answer.content
