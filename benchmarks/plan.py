@@ -121,22 +121,22 @@ class SplitResult:
         return self.overrun_share <= max_overrun_share
 
 
+def _rank(r: SplitResult, target: float, max_overrun_share: float) -> tuple[bool, float, float]:
+    """Trusted first, then goodput per instance (interpolated, then the highest passing rate)."""
+    g, n = r.goodput(target), r.split.num_instances
+    return (r.trusted(max_overrun_share), (g["interpolated_rps"] or 0.0) / n, (g["rps"] or 0.0) / n)
+
+
 def best_split(
     results: list[SplitResult],
     target: float = GOODPUT_ATTAINMENT,
     max_overrun_share: float = MAX_OVERRUN_SHARE,
 ) -> SplitResult | None:
-    """The trustworthy split with the highest goodput per instance (interpolated, then the
-    highest passing swept rate); an untrustworthy one only when none is trustworthy. None
-    when no split reaches the goal at any rate."""
-
-    def key(r: SplitResult) -> tuple[bool, float, float]:
-        g = r.goodput(target)
-        return (r.trusted(max_overrun_share), (g["interpolated_rps"] or 0.0) / r.split.num_instances,
-                (g["rps"] or 0.0) / r.split.num_instances)  # fmt: skip
-
+    """The trustworthy split with the highest goodput per instance; an untrustworthy one only
+    when none is trustworthy; the first of equals. None when no split reaches the goal at
+    any rate."""
     reaching = [r for r in results if r.goodput(target)["rps"] is not None]
-    return max(reaching, key=key) if reaching else None
+    return max(reaching, key=lambda r: _rank(r, target, max_overrun_share), default=None)
 
 
 def _rate(value: float | None, num_instances: int = 1) -> str:
@@ -172,8 +172,17 @@ def verdict(
     if best is None:
         return f"best split: none (no split holds {target:.0%} attainment at any rate run)"
     g = best.goodput(target)
-    line = (f"best split: {best.split.name}, goodput {_rate(g['interpolated_rps'])} req/s "
-            f"({_rate(g['interpolated_rps'], best.split.num_instances)} per instance)")  # fmt: skip
+    at_least = "≥ " if best.points[-1].attainment >= target else ""  # passed at the top rate
+    line = (f"best split: {best.split.name}, goodput {at_least}{_rate(g['interpolated_rps'])} "
+            f"req/s ({at_least}{_rate(g['interpolated_rps'], best.split.num_instances)} per "
+            "instance)")  # fmt: skip
+    rank = _rank(best, target, max_overrun_share)
+    tied = [r.split.name for r in results
+            if r is not best and _rank(r, target, max_overrun_share) == rank]  # fmt: skip
+    if tied:
+        line += f", tied with {', '.join(tied)}"
+    if at_least:
+        line += "; it held at the highest rate run: add higher --rates to separate"
     if not best.trusted(max_overrun_share):
         line += (f" — untrustworthy: {best.overrun_share:.0%} of its steps overran (limit "
                  f"{max_overrun_share:.0%}); rerun with a larger --time-scale")  # fmt: skip

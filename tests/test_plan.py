@@ -50,7 +50,17 @@ def test_the_best_split_is_the_trusted_one_with_the_highest_goodput_per_instance
     assert table[2].startswith("| 1P3D | 4 | 4.44 | 1.11 | 2: 100%, 4: 95%, 8: 50% | 0.0% | yes")
     assert table[4].startswith("| 3P1D | 8 | 8 | 2 |") and "| 20.0% | **no** |" in table[4]
     assert table[5].startswith("| 4mixed | — | — | — |")
-    assert plan.verdict(results) == "best split: 2P2D, goodput 8 req/s (2 per instance)"
+    assert plan.verdict(results).startswith("best split: 2P2D, goodput ≥ 8 req/s (≥ 2 per")
+    results[1] = _result(Split(2, 2), {2: 1.0, 4: 1.0, 8: 0.5, 16: 0.0})
+    assert plan.verdict(results) == "best split: 2P2D, goodput 4.8 req/s (1.2 per instance)"
+
+
+def test_a_best_split_that_held_at_the_top_rate_is_a_lower_bound_and_ties_are_named():
+    results = [_result(Split(3, 1), {4: 1.0, 8: 1.0}), _result(Split(0, 0, 4), {4: 1.0, 8: 0.95})]
+    assert plan.verdict(results) == (
+        "best split: 3P1D, goodput ≥ 8 req/s (≥ 2 per instance), tied with 4mixed; it held at "
+        "the highest rate run: add higher --rates to separate"
+    )
 
 
 def test_an_untrusted_split_is_chosen_only_when_none_is_trusted_and_says_so():
