@@ -379,7 +379,7 @@ def _write(
     best = best_split(results, args.goodput_target, args.max_overrun_share)
     data = {
         "command": "pdcluster plan " + shlex.join(argv),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {
             **report.machine_info(),
             "loadavg_before": load_before,
