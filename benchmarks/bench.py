@@ -85,29 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "local-mixed:engine.max_num_batched_tokens=256,512,1024); repeat for a grid",
     )
 
-    w = p.add_argument_group("workload")
-    w.add_argument(
-        "--trace",
-        default=str(default_trace()),
-        help="trace CSV (default: the full Azure conv trace at ../shared/traces/ when present,\n"
-        "else the packaged first-2,000-request sample; here: %(default)s)",
-    )
-    w.add_argument("--window-start-s", type=float, default=0.0, help="trace window start")
-    w.add_argument("--num-requests", type=int, default=None, help="requests per run")
-    w.add_argument("--duration-s", type=float, default=None, help="trace window length")
-    w.add_argument("--token-scale", type=float, default=1.0, help="× trace prompt/output lengths")
-    w.add_argument("--min-prompt-len", type=int, default=4)
-    w.add_argument("--max-prompt-len", type=int, default=1536)
-    w.add_argument("--min-output-len", type=int, default=2)
-    w.add_argument("--max-output-len", type=int, default=512)
-    w.add_argument("--rate-scale", type=float, default=1.0, help="× trace arrival rate")
-    w.add_argument("--rate", type=float, default=None, help="target mean rate (req/s)")
-    w.add_argument("--synthetic", action="store_true", help="Poisson arrivals at --rate")
-    w.add_argument("--prompt-len", type=int, default=256, help="synthetic prompt length")
-    w.add_argument("--output-len", type=int, default=64, help="synthetic output length")
-    w.add_argument("--jitter", type=float, default=0.0, help="synthetic lengths ± this fraction")
-    w.add_argument("--image-fraction", type=float, default=0.0, help="requests with an image")
-    w.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(p)
 
     s = p.add_argument_group("rates and SLOs")
     s.add_argument("--rates", help="comma list of rates (req/s) to sweep, or 'auto' (search)")
@@ -153,6 +131,33 @@ def build_parser() -> argparse.ArgumentParser:
         "object, one per line (one run: a plain JSON file)",
     )
     return p
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload options that `build_workload` reads (shared with `pdcluster plan`)."""
+    w = p.add_argument_group("workload")
+    w.add_argument(
+        "--trace",
+        default=str(default_trace()),
+        help="trace CSV (default: the full Azure conv trace at ../shared/traces/ when present,\n"
+        "else the packaged first-2,000-request sample; here: %(default)s)",
+    )
+    w.add_argument("--window-start-s", type=float, default=0.0, help="trace window start")
+    w.add_argument("--num-requests", type=int, default=None, help="requests per run")
+    w.add_argument("--duration-s", type=float, default=None, help="trace window length")
+    w.add_argument("--token-scale", type=float, default=1.0, help="× trace prompt/output lengths")
+    w.add_argument("--min-prompt-len", type=int, default=4)
+    w.add_argument("--max-prompt-len", type=int, default=1536)
+    w.add_argument("--min-output-len", type=int, default=2)
+    w.add_argument("--max-output-len", type=int, default=512)
+    w.add_argument("--rate-scale", type=float, default=1.0, help="× trace arrival rate")
+    w.add_argument("--rate", type=float, default=None, help="target mean rate (req/s)")
+    w.add_argument("--synthetic", action="store_true", help="Poisson arrivals at --rate")
+    w.add_argument("--prompt-len", type=int, default=256, help="synthetic prompt length")
+    w.add_argument("--output-len", type=int, default=64, help="synthetic output length")
+    w.add_argument("--jitter", type=float, default=0.0, help="synthetic lengths ± this fraction")
+    w.add_argument("--image-fraction", type=float, default=0.0, help="requests with an image")
+    w.add_argument("--seed", type=int, default=0)
 
 
 def main(argv: list[str] | None = None) -> int:

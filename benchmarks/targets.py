@@ -70,9 +70,12 @@ class Variant:
 
     config_name: str  # ray_configs name or YAML path
     settings: dict[str, Any] = field(default_factory=dict)  # dotted key -> value
+    label: str | None = None  # the name to show instead of the config and its settings
 
     @property
     def name(self) -> str:
+        if self.label:
+            return self.label
         changed = ",".join(f"{k}={v}" for k, v in self.settings.items())
         return f"{self.config_name}[{changed}]" if changed else self.config_name
 
@@ -147,13 +150,22 @@ def local_target(variant: Variant, model: str | None) -> Iterator[Target]:
 def shared_ray(config_names: list[str]) -> Iterator[None]:
     """One embedded Ray for topologies launched side by side, with the CPUs of them all
     (each config's `ray.num_cpus` is sized for it alone); shut down on the way out."""
-    import ray
-
-    from cluster.config import ClusterConfig, RaySettings
-    from cluster.control.launch import init_ray
+    from cluster.config import ClusterConfig
 
     configs = [ClusterConfig.from_yaml(resolve_config(name)) for name in config_names]
-    num_cpus = sum(c.ray.num_cpus or 0 for c in configs) or None
+    with embedded_ray(sum(c.ray.num_cpus or 0 for c in configs) or None):
+        yield
+
+
+@contextlib.contextmanager
+def embedded_ray(num_cpus: int | None) -> Iterator[None]:
+    """An embedded Ray with `num_cpus` for the block (the one already initialised, if any),
+    shut down on the way out when started here."""
+    import ray
+
+    from cluster.config import RaySettings
+    from cluster.control.launch import init_ray
+
     with keep_current_cluster_record():
         started = init_ray(RaySettings(num_cpus=num_cpus))
         try:

@@ -1,4 +1,4 @@
-"""`pdcluster` command line: serve, status, job, bench, generate, make-model, profile."""
+"""`pdcluster` command line: serve, status, job, bench, plan, generate, make-model, profile."""
 
 from __future__ import annotations
 
@@ -322,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("job", help="batch inference: JSONL in, JSONL out (pdcluster job --help)")
     # `pdcluster bench ...` is handed to benchmarks.bench's own parser in main().
     sub.add_parser("bench", help="serving benchmark: latency, SLO attainment, goodput")
+    # `pdcluster plan ...` is handed to benchmarks.plan's own parser in main().
+    sub.add_parser("plan", help="the P:D split of N instances with the best goodput (simulated)")
     return parser
 
 
@@ -339,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["plan"]:  # the planner has its own parser (and --help)
+        from benchmarks.plan import main as plan_main
+
+        return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "INFO"),
