@@ -24,6 +24,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+
     from engine.sim.fit import grid, profile_model
     from engine.sim.profile import write_profile
 
@@ -31,17 +33,23 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         args.prefill_tokens, args.prefill_contexts, args.decode_seqs, args.decode_contexts
     )
     name = args.name or f"{args.model.removeprefix('preset:')}-{platform.node() or 'host'}"
-    profile = profile_model(
-        args.model,
-        name,
-        shapes,
-        args.repeats,
-        description=f"fitted by `pdcluster profile` on {platform.processor() or 'this host'} "
-        f"({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start)",
-        eos_probability=args.eos_probability,
-        link_bandwidth_bytes_per_s=args.link_bandwidth_gbs * 1e9,
-        link_latency_s=args.link_latency_ms / 1e3,
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)  # as many as an instance gets (Ray: its num_cpus)
+    try:
+        profile = profile_model(
+            args.model,
+            name,
+            shapes,
+            args.repeats,
+            description=f"fitted by `pdcluster profile` on {platform.processor() or 'this host'} "
+            f"({os.cpu_count()} CPUs, {args.threads} torch threads, "
+            f"load average {os.getloadavg()[0]:.1f} at start)",
+            eos_probability=args.eos_probability,
+            link_bandwidth_bytes_per_s=args.link_bandwidth_gbs * 1e9,
+            link_latency_s=args.link_latency_ms / 1e3,
+        )
+    finally:
+        torch.set_num_threads(threads)
     write_profile(profile, args.out)
     fit = profile.fit
     print(
@@ -52,6 +60,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _add_profile_parser(sub: argparse._SubParsersAction) -> None:
+    from cluster.config import RoleSpec
     from engine.sim import fit
 
     p = sub.add_parser(
@@ -65,6 +74,13 @@ def _add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--name", default=None, help="profile name (default: model-host)")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per shape (median)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, int(RoleSpec.model_fields["num_cpus"].default)),
+        help="torch threads while measuring: match the instances' num_cpus, since Ray runs "
+        "each instance with that many threads (default: the role default)",
+    )
     ints = {"type": int, "nargs": "+"}
     p.add_argument("--prefill-tokens", default=fit.PREFILL_TOKENS, **ints)
     p.add_argument("--prefill-contexts", default=fit.PREFILL_CONTEXTS, **ints)

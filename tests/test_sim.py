@@ -150,6 +150,16 @@ def test_builtin_gpu_profiles_are_sourced_estimates_with_the_modeled_kv_shape():
     assert StepTimeModel.of(p70).step_s(shape) > StepTimeModel.of(p8).step_s(shape)
 
 
+def test_a_mixed_step_pays_its_fixed_cost_once():
+    timing = StepTimeModel.of(load_profile("h100-llama-3.1-8b"))
+    prefill, decode = ((256, 0), (64, 512)), (512,) * 8
+    alone = timing.step_s(StepShape(prefill)) + timing.step_s(StepShape(decode_contexts=decode))
+    c = timing.step  # one forward pass reads the weights once
+    assert timing.step_s(StepShape(prefill, decode)) == pytest.approx(
+        alone - min(c.prefill_base_s, c.decode_base_s)
+    )
+
+
 def test_an_unknown_profile_names_the_builtin_ones():
     with pytest.raises(ValueError, match="h100-llama-3.1-8b"):
         resolve_model_dir("sim:no-such-profile")
@@ -169,10 +179,11 @@ def test_fit_recovers_the_coefficients_of_a_known_step_model():
 
     class ModeledRunner:  # takes exactly the true model's time per step
         def execute_model(self, so: SchedulerOutput) -> None:
+            cached = so.scheduled_cached_reqs  # a decode shape's timed steps continue
             rows = [
-                (n, r.num_computed_tokens)
-                for r, n in zip(so.scheduled_new_reqs, so.num_scheduled_tokens.values())
-            ]
+                (so.num_scheduled_tokens[r.req_id], r.num_computed_tokens)
+                for r in so.scheduled_new_reqs
+            ] + [(1, c) for c in cached.num_computed_tokens]
             prefill = tuple((n, c) for n, c in rows if n > 1)
             decode = tuple(c for n, c in rows if n == 1)
             clock.now += model.step_s(StepShape(prefill, decode))
@@ -187,11 +198,13 @@ def test_fit_recovers_the_coefficients_of_a_known_step_model():
 def test_profile_command_fits_a_real_engine_and_reproduces_its_points(tmp_path):
     out = tmp_path / "tiny.json"
     argv = ["profile", "--model", "preset:tiny-llama", "--out", str(out), "--repeats", "1"]
+    argv += ["--threads", "1"]  # an instance's torch threads: Ray gives it its num_cpus
     argv += ["--prefill-tokens", "8", "32", "64", "--prefill-contexts", "0", "16"]
     argv += ["--decode-seqs", "1", "4", "--decode-contexts", "16", "64"]
     assert cli_main(argv) == 0
     profile = SimProfile.model_validate_json(out.read_text())
     assert profile.tokenizer == "preset:tiny-llama" and not profile.estimate
+    assert "1 torch threads" in profile.description
     assert (
         profile.kv.num_layers == read_model_info(resolve_model_dir("preset:tiny-llama")).num_layers
     )

@@ -59,20 +59,36 @@ def _rows(shape: StepShape) -> list[tuple[int, int]]:
     return [*shape.prefill, *((1, c) for c in shape.decode_contexts)]
 
 
-def _step_output(shape: StepShape, block_size: int, first_id: int, step: int) -> SchedulerOutput:
-    """New requests of `shape` (prompt = context + new tokens); ids are unique per step."""
+def _step_output(
+    shape: StepShape, block_size: int, first_id: int, step: int, extra_tokens: int = 0
+) -> SchedulerOutput:
+    """New requests of `shape` (prompt = context + new tokens); ids are unique per step.
+    Their blocks leave room for `extra_tokens` more (the decode steps that continue them)."""
     rows = _rows(shape)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     new, scheduled = [], {}
     for i, (n, context) in enumerate(rows):
         req_id = f"profile-{step}-{i}"
         num_tokens = context + n
-        blocks = list(range(-(-num_tokens // block_size)))
+        blocks = list(range(-(-(num_tokens + extra_tokens) // block_size)))
         prompt = [first_id + (j * 7 + i) % 500 for j in range(num_tokens)]
         new.append(NewRequestData(req_id, prompt, [], params, blocks, context))
         scheduled[req_id] = n
     total = sum(scheduled.values())
     return SchedulerOutput(new, CachedRequestData(), scheduled, total, {}, set(), [])
+
+
+def _next_decode(first: SchedulerOutput, k: int) -> SchedulerOutput:
+    """The `k`-th decode step after `first`: the same requests, held by the runner, one more
+    token each, as a decode instance steps them while serving."""
+    req_ids = [new.req_id for new in first.scheduled_new_reqs]
+    cached = CachedRequestData(
+        req_ids,
+        [False] * len(req_ids),
+        [None] * len(req_ids),
+        [new.num_computed_tokens + k for new in first.scheduled_new_reqs],
+    )
+    return SchedulerOutput([], cached, dict.fromkeys(req_ids, 1), len(req_ids), {}, set(), [])
 
 
 def measure(
@@ -83,13 +99,28 @@ def measure(
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
 ) -> list[MeasuredPoint]:
-    """Median seconds of `runner.execute_model` per shape, after one warm-up step each."""
+    """Median seconds of `runner.execute_model` per shape, after one warm-up step each. A
+    prefill step takes new requests, as it does when serving; a decode shape's timed steps
+    continue the requests its warm-up step added (a decode step's requests are held by the
+    runner), so per-request setup is not charged to every decode step. Those steps start
+    before the shape's context and end after it, so their median is at it."""
     points, step, finished = [], 0, set()
+    lead = (repeats + 1) // 2
     for shape in shapes:
-        times = []
+        times, first = [], None
+        if not shape.prefill:
+            start = StepShape(
+                decode_contexts=tuple(max(0, c - lead) for c in shape.decode_contexts)
+            )
         for attempt in range(repeats + 1):
-            so = _step_output(shape, block_size, first_id, step)
-            so.finished_req_ids, finished = finished, set(so.num_scheduled_tokens)
+            if first is None:
+                so = _step_output(
+                    shape if shape.prefill else start, block_size, first_id, step, repeats
+                )
+                so.finished_req_ids, finished = finished, set(so.num_scheduled_tokens)
+                first = None if shape.prefill else so
+            else:
+                so = _next_decode(first, attempt)
             start_s = clock()
             runner.execute_model(so)
             if attempt:  # the first is a warm-up
@@ -184,7 +215,7 @@ def profile_model(
     from engine.core import EngineCore  # the real engine, loaded only to be measured
     from engine.presets import resolve_model_dir
 
-    longest = max(n + c for s in shapes for n, c in _rows(s))
+    longest = max(n + c for s in shapes for n, c in _rows(s)) + repeats
     block_size = 16
     config = EngineConfig(
         model=resolve_model_dir(model),

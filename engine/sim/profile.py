@@ -134,22 +134,20 @@ class StepTimeModel:
         )
 
     def step_s(self, shape: StepShape) -> float:
-        c, total = self.step, 0.0
+        c, total, base = self.step, 0.0, 0.0
         if shape.prefill:
             tokens = sum(n for n, _ in shape.prefill)
             # Attention of n new tokens after `ctx` cached ones: each sees ctx + (its index).
             attention = sum(n * (ctx + (n - 1) / 2) for n, ctx in shape.prefill)
-            total += (
-                c.prefill_base_s
-                + c.prefill_per_token_s * tokens
-                + c.prefill_per_token_context_s * attention
-            )
+            base = c.prefill_base_s
+            total += c.prefill_per_token_s * tokens + c.prefill_per_token_context_s * attention
         if shape.decode_contexts:
-            total += (
-                c.decode_base_s
-                + c.decode_per_seq_s * len(shape.decode_contexts)
-                + c.decode_per_context_token_s * sum(shape.decode_contexts)
-            )
+            base = max(base, c.decode_base_s)
+            total += c.decode_per_seq_s * len(shape.decode_contexts)
+            total += c.decode_per_context_token_s * sum(shape.decode_contexts)
+        # A mixed step is one forward pass: its fixed cost (the weights read once) is paid
+        # once, not once for its prefill rows and again for its decode rows.
+        total += base
         if shape.num_images:
             total += c.encoder_base_s + c.encoder_per_image_s * shape.num_images
         return total
