@@ -173,6 +173,7 @@ def test_fit_recovers_the_coefficients_of_a_known_step_model():
         decode_base_s=0.015,
         decode_per_seq_s=1e-3,
         decode_per_context_token_s=4e-6,
+        mixed_base_s=0.025,
     )
     clock = FakeClock()
     model = StepTimeModel(truth, 0, 1.0, 0.0)
@@ -209,7 +210,7 @@ def test_profile_command_fits_a_real_engine_and_reproduces_its_points(tmp_path):
         profile.kv.num_layers == read_model_info(resolve_model_dir("preset:tiny-llama")).num_layers
     )
     timing = StepTimeModel.of(profile)
-    assert len(profile.fit.points) == 6 + 4
+    assert len(profile.fit.points) == 6 + 4 + 2  # prefill, decode, mixed
     for row in profile.fit.points:  # the stated error is the error at the measured points
         point = sim_fit.point_of(row)
         error = abs(timing.step_s(point.shape) - point.seconds) / point.seconds

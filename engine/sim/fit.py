@@ -49,9 +49,14 @@ def grid(
     decode_seqs: Sequence[int] = DECODE_SEQS,
     decode_contexts: Sequence[int] = DECODE_CONTEXTS,
 ) -> list[StepShape]:
+    """Prefill shapes, decode shapes, and mixed ones (the middle prefill with each decode
+    batch at the middle context: what a colocated instance steps under load)."""
     prefill = [StepShape(prefill=((n, c),)) for n in prefill_tokens for c in prefill_contexts]
     decode = [StepShape(decode_contexts=(c,) * s) for s in decode_seqs for c in decode_contexts]
-    return prefill + decode
+    n = sorted(prefill_tokens)[len(prefill_tokens) // 2]
+    c = sorted(decode_contexts)[len(decode_contexts) // 2]
+    mixed = [StepShape(prefill=((n, 0),), decode_contexts=(c,) * s) for s in decode_seqs]
+    return prefill + decode + mixed
 
 
 def _rows(shape: StepShape) -> list[tuple[int, int]]:
@@ -60,15 +65,15 @@ def _rows(shape: StepShape) -> list[tuple[int, int]]:
 
 
 def _step_output(
-    shape: StepShape, block_size: int, first_id: int, step: int, extra_tokens: int = 0
+    shape: StepShape, block_size: int, first_id: int, tag: str, extra_tokens: int = 0
 ) -> SchedulerOutput:
-    """New requests of `shape` (prompt = context + new tokens); ids are unique per step.
-    Their blocks leave room for `extra_tokens` more (the decode steps that continue them)."""
+    """New requests of `shape` (prompt = context + new tokens), ids unique per `tag`. Their
+    blocks leave room for `extra_tokens` more (the decode steps that continue them)."""
     rows = _rows(shape)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     new, scheduled = [], {}
     for i, (n, context) in enumerate(rows):
-        req_id = f"profile-{step}-{i}"
+        req_id = f"profile-{tag}-{i}"
         num_tokens = context + n
         blocks = list(range(-(-(num_tokens + extra_tokens) // block_size)))
         prompt = [first_id + (j * 7 + i) % 500 for j in range(num_tokens)]
@@ -91,6 +96,14 @@ def _next_decode(first: SchedulerOutput, k: int) -> SchedulerOutput:
     return SchedulerOutput([], cached, dict.fromkeys(req_ids, 1), len(req_ids), {}, set(), [])
 
 
+def _join(a: SchedulerOutput, b: SchedulerOutput) -> SchedulerOutput:
+    """One step of `a`'s new requests and `b`'s (new or held) ones."""
+    scheduled = a.num_scheduled_tokens | b.num_scheduled_tokens
+    new = a.scheduled_new_reqs + b.scheduled_new_reqs
+    cached = b.scheduled_cached_reqs
+    return SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), {}, set(), [])
+
+
 def measure(
     runner: object,
     shapes: Sequence[StepShape],
@@ -99,38 +112,34 @@ def measure(
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
 ) -> list[MeasuredPoint]:
-    """Median seconds of `runner.execute_model` per shape, after one warm-up step each. A
-    prefill step takes new requests, as it does when serving; a decode shape's timed steps
-    continue the requests its warm-up step added (a decode step's requests are held by the
-    runner), so per-request setup is not charged to every decode step. Those steps start
-    before the shape's context and end after it, so their median is at it."""
-    points, step, finished = [], 0, set()
+    """Median seconds of `runner.execute_model` per shape, after one warm-up step each. As
+    when serving, a shape's prefill rows are new requests at every step, and its decode rows
+    are requests the runner holds: the warm-up step adds them and each timed step continues
+    them by a token, so per-request setup is not charged to every decode step. Those steps
+    start before the shape's context and end after it, so their median is at it."""
+    points, finished = [], set()
     lead = (repeats + 1) // 2
-    for shape in shapes:
-        times, first = [], None
-        if not shape.prefill:
-            start = StepShape(
-                decode_contexts=tuple(max(0, c - lead) for c in shape.decode_contexts)
-            )
+    for index, shape in enumerate(shapes):
+        times = []
+        decodes = StepShape(decode_contexts=tuple(max(0, c - lead) for c in shape.decode_contexts))
+        held = _step_output(decodes, block_size, first_id, f"{index}-d", repeats)
         for attempt in range(repeats + 1):
-            if first is None:
-                so = _step_output(
-                    shape if shape.prefill else start, block_size, first_id, step, repeats
-                )
-                so.finished_req_ids, finished = finished, set(so.num_scheduled_tokens)
-                first = None if shape.prefill else so
-            else:
-                so = _next_decode(first, attempt)
+            prefill = StepShape(prefill=shape.prefill)
+            new = _step_output(prefill, block_size, first_id, f"{index}-{attempt}")
+            so = _join(new, _next_decode(held, attempt) if attempt else held)
+            so.finished_req_ids, finished = finished, set(new.num_scheduled_tokens)
             start_s = clock()
             runner.execute_model(so)
             if attempt:  # the first is a warm-up
                 times.append(clock() - start_s)
-            step += 1
+        finished |= set(held.num_scheduled_tokens)
         points.append(MeasuredPoint(shape, statistics.median(times)))
     return points
 
 
 def _features(shape: StepShape) -> tuple[str, list[float]]:
+    if shape.prefill and shape.decode_contexts:
+        return "mixed", []
     if shape.prefill:
         tokens = sum(n for n, _ in shape.prefill)
         attention = sum(n * (c + (n - 1) / 2) for n, c in shape.prefill)
@@ -138,10 +147,13 @@ def _features(shape: StepShape) -> tuple[str, list[float]]:
     return "decode", [1.0, float(len(shape.decode_contexts)), float(sum(shape.decode_contexts))]
 
 
-def _solve(rows: list[list[float]], seconds: list[float]) -> list[float]:
-    """Least squares of relative error, dropping terms that come out negative."""
-    x, y = np.array(rows), np.array(seconds)
-    weights = 1.0 / y
+def _solve(
+    rows: list[list[float]], targets: list[float], relative_to: list[float] | None = None
+) -> list[float]:
+    """Least squares of error relative to `relative_to` (default: the targets), dropping
+    terms that come out negative."""
+    x, y = np.array(rows), np.array(targets)
+    weights = 1.0 / np.array(relative_to if relative_to is not None else targets)
     keep = list(range(x.shape[1]))
     while True:
         sol = np.linalg.lstsq(x[:, keep] * weights[:, None], y * weights, rcond=None)[0]
@@ -158,8 +170,12 @@ def fit(points: Sequence[MeasuredPoint]) -> tuple[StepCoefficients, FitReport]:
         "prefill": ([], []),
         "decode": ([], []),
     }
+    mixed = []
     for p in points:
         kind, row = _features(p.shape)
+        if kind == "mixed":
+            mixed.append(p)
+            continue
         groups[kind][0].append(row)
         groups[kind][1].append(p.seconds)
     values: dict[str, float] = {}
@@ -168,6 +184,11 @@ def fit(points: Sequence[MeasuredPoint]) -> tuple[StepCoefficients, FitReport]:
         if rows:
             values |= dict(zip(terms, _solve(rows, seconds)))
     coefficients = StepCoefficients(**values)
+    if mixed:  # the fixed cost a mixed step pays on top of its prefill and decode rows
+        rows_only = StepTimeModel(coefficients.model_copy(update={"mixed_base_s": 0.0}), 0, 1, 0)
+        residual = [p.seconds - rows_only.step_s(p.shape) for p in mixed]
+        (base,) = _solve([[1.0]] * len(mixed), residual, [p.seconds for p in mixed])
+        coefficients = coefficients.model_copy(update={"mixed_base_s": base})
     return coefficients, report(coefficients, points)
 
 
@@ -185,22 +206,27 @@ def report(coefficients: StepCoefficients, points: Sequence[MeasuredPoint]) -> F
 
 
 def _point_row(p: MeasuredPoint, fitted: float) -> dict[str, float]:
+    """A point as a FitReport row: a prefill's tokens and context, a decode batch's size and
+    context, or both (a mixed step, its decode context as `decode_context`)."""
+    row: dict[str, float] = {}
     if p.shape.prefill:
         ((n, c),) = p.shape.prefill
-        row = {"prefill_tokens": n, "context": c}
-    else:
-        row = {"decode_seqs": len(p.shape.decode_contexts), "context": p.shape.decode_contexts[0]}
+        row |= {"prefill_tokens": n, "context": c}
+    if p.shape.decode_contexts:
+        key = "decode_context" if p.shape.prefill else "context"
+        row |= {"decode_seqs": len(p.shape.decode_contexts), key: p.shape.decode_contexts[0]}
     return {**row, "measured_s": round(p.seconds, 6), "fitted_s": round(fitted, 6)}
 
 
 def point_of(row: dict[str, float]) -> MeasuredPoint:
     """The measured point a FitReport row records."""
-    context = int(row["context"])
+    prefill, decode = (), ()
     if "prefill_tokens" in row:
-        shape = StepShape(prefill=((int(row["prefill_tokens"]), context),))
-    else:
-        shape = StepShape(decode_contexts=(context,) * int(row["decode_seqs"]))
-    return MeasuredPoint(shape, row["measured_s"])
+        prefill = ((int(row["prefill_tokens"]), int(row["context"])),)
+    if "decode_seqs" in row:
+        context = int(row.get("decode_context", row["context"]))
+        decode = (context,) * int(row["decode_seqs"])
+    return MeasuredPoint(StepShape(prefill, decode), row["measured_s"])
 
 
 def profile_model(

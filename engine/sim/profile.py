@@ -25,7 +25,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin")
 
 
 class StepCoefficients(BaseModel):
-    """Seconds of one step: prefill and decode parts add up when a step holds both."""
+    """Seconds of one step: prefill and decode parts add up when a step holds both, with one
+    fixed cost for the step (`mixed_base_s` when both are there)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -38,6 +39,12 @@ class StepCoefficients(BaseModel):
     decode_per_seq_s: float = Field(0.0, ge=0, description="e: per decode sequence")
     decode_per_context_token_s: float = Field(
         0.0, ge=0, description="f: per token of context summed over decode sequences"
+    )
+    mixed_base_s: float | None = Field(
+        None,
+        ge=0,
+        description="fixed cost of a step with both prefill and decode rows (default: the "
+        "larger of the two bases, one forward pass reading the weights once)",
     )
     encoder_base_s: float = Field(0.0, ge=0, description="fixed cost of an encoder batch")
     encoder_per_image_s: float = Field(0.0, ge=0, description="per image encoded")
@@ -142,11 +149,14 @@ class StepTimeModel:
             base = c.prefill_base_s
             total += c.prefill_per_token_s * tokens + c.prefill_per_token_context_s * attention
         if shape.decode_contexts:
-            base = max(base, c.decode_base_s)
             total += c.decode_per_seq_s * len(shape.decode_contexts)
             total += c.decode_per_context_token_s * sum(shape.decode_contexts)
-        # A mixed step is one forward pass: its fixed cost (the weights read once) is paid
-        # once, not once for its prefill rows and again for its decode rows.
+            if not shape.prefill:
+                base = c.decode_base_s
+            elif c.mixed_base_s is not None:
+                base = c.mixed_base_s
+            else:
+                base = max(base, c.decode_base_s)
         total += base
         if shape.num_images:
             total += c.encoder_base_s + c.encoder_per_image_s * shape.num_images
