@@ -11,7 +11,8 @@ Faults: an instance that dies (or restarts) before anything of a request reached
 is planned around, once; later, the request ends with finish_reason "error". Every instance
 holding state for a request is told when it is aborted or fails. The Front runs its Ray
 calls on an event loop of its own thread, so callers on any event loop (a gateway's, or a
-fresh `asyncio.run` per call) can stream.
+fresh `asyncio.run` per call) can stream; a gateway that serves on that loop itself
+(`run_coroutine`) streams with no hop between threads: outputs go straight to its streams.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 import uuid
 import weakref
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from ray.actor import ActorHandle
 
 from actors.messages import PullReply, RequestTrace, Route, StageTimes
 from actors.pixels import by_reference
+from actors.replies import Replies
 from actors.streams import PULL_WAIT_S
 from engine.outputs import EngineCoreOutput
 from engine.request import Request
@@ -121,7 +123,8 @@ class Front:
         self._promised: Counter[str] = Counter()
         # Batches for callers, by their event loop, until the end of this loop iteration
         self._outgoing: dict[asyncio.AbstractEventLoop, list[_Outgoing]] = {}
-        self._loop = asyncio.new_event_loop()
+        self._loop = _new_event_loop()
+        self._replies = Replies(self._loop)
         self._thread = threading.Thread(target=self._loop.run_forever, name="front", daemon=True)
         self._thread.start()
         self._call(self._sync_members).result()
@@ -145,7 +148,7 @@ class Front:
         loop = asyncio.get_running_loop()
         batches: asyncio.Queue[tuple[int, list[EngineCoreOutput]]] = asyncio.Queue()
         sinks = [_Sink(loop, batches, i) for i in range(len(requests))]
-        self._loop.call_soon_threadsafe(self._start, requests, sinks)
+        self._on_loop(loop, self._start, requests, sinks)
         unfinished = set(range(len(requests)))
         try:
             while unfinished:
@@ -157,7 +160,7 @@ class Front:
         finally:
             if unfinished:
                 rids = [requests[i].request_id for i in unfinished]
-                self._loop.call_soon_threadsafe(self._abort, rids)
+                self._on_loop(loop, self._abort, rids)
 
     def handles(self) -> dict[str, tuple[str, ActorHandle]]:
         """The pool as this replica sees it: instance id -> (role, handle)."""
@@ -187,6 +190,18 @@ class Front:
             logger.warning("the front did not stop within %.0f s", CLOSE_TIMEOUT_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=CLOSE_TIMEOUT_S)
+
+    def run_coroutine(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
+        """Run `coro` on the Front's event loop (e.g. the gateway's HTTP server, whose
+        streams then get their outputs with no cross-thread hop)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _on_loop(self, caller: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+        """Run `fn(*args)` on the Front's loop: now when the caller is on it."""
+        if caller is self._loop:
+            fn(*args)
+        else:
+            self._loop.call_soon_threadsafe(fn, *args)
 
     def _call(self, coro_or_fn: Any) -> Any:
         if asyncio.iscoroutine(coro_or_fn):
@@ -329,8 +344,12 @@ class Front:
         self._send(flight.sink, flight.client_id, batch)
 
     def _send(self, sink: _Sink, client_id: str, batch: list[EngineCoreOutput]) -> None:
-        """Queue a batch for its caller; what this loop iteration queued for one event loop
-        crosses threads in one call (`_flush`), however many requests and pulls it holds."""
+        """Hand a batch to its caller: at once on the Front's own loop; for another loop,
+        what this loop iteration queued for it crosses threads in one call (`_flush`),
+        however many requests and pulls it holds."""
+        if sink.loop is self._loop:
+            sink.queue.put_nowait((sink.index, batch))
+            return
         if not self._outgoing:
             self._loop.call_soon(self._flush)
         self._outgoing.setdefault(sink.loop, []).append((sink, client_id, batch))
@@ -444,11 +463,7 @@ class Front:
             self._pulls_in_flight.add(ref_id)
             self._recent_pulls.append((time.monotonic(), ref_id))
             try:
-                reply: PullReply = await asyncio.wait_for(ref, PULL_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                logger.warning("instance %s does not answer; routing around it", instance_id)
-                self.policy.mark_dead(instance_id)
-                continue
+                reply = await self._pull_reply(instance_id, ref)
             except ray.exceptions.RayActorError:
                 if self.policy.instances[instance_id].healthy or epoch is not None:
                     self._instance_lost(instance_id, "died")
@@ -462,6 +477,19 @@ class Front:
                 self._instance_lost(instance_id, "restarted")
             epoch, cursor = events.epoch, events.cursor
             self._apply(instance_id, reply)
+
+    async def _pull_reply(self, instance_id: str, ref: ray.ObjectRef) -> PullReply:
+        """A pull's reply. One unanswered for PULL_TIMEOUT_S routes new requests around its
+        instance, and is still waited for: the outputs it carries are its streams'."""
+        late = self._loop.call_later(PULL_TIMEOUT_S, self._unanswered, instance_id)
+        try:
+            return await self._replies.future(ref)
+        finally:
+            late.cancel()
+
+    def _unanswered(self, instance_id: str) -> None:
+        logger.warning("instance %s does not answer; routing around it", instance_id)
+        self.policy.mark_dead(instance_id)
 
     def _apply(self, instance_id: str, reply: PullReply) -> None:
         policy = self.policy
@@ -566,6 +594,16 @@ def _put_all(items: list[_Outgoing]) -> None:
     """On the caller's event loop: hand each batch to its stream."""
     for sink, _, batch in items:
         sink.queue.put_nowait((sink.index, batch))
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's where it is installed (ray[serve] brings it, with uvicorn[standard]): the loop
+    uvicorn would serve on, for a gateway served from the Front's loop; else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 async def _as_coro(fn: Callable[[], Any]) -> Any:

@@ -148,6 +148,7 @@ class InstanceActor:
             request = for_prefill(request)
         self._inbox.put(("add", (request, route.ec_handle, received_s)))
 
+    @ray.method(enable_task_events=False)  # the most frequent call: no per-call event to the GCS
     async def pull(
         self, consumer_id: str, epoch: str | None = None, events_after: int = -1,
         num_promised: int = 0, wait_s: float = PULL_WAIT_S,

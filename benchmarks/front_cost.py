@@ -36,6 +36,7 @@ import httpx
 from benchmarks.targets import REPO_ROOT, free_port
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+STREAM_TIMEOUT_S = 300.0  # a stream silent this long is lost
 RAY_DAEMONS = (
     "raylet",
     "gcs_server",
@@ -60,6 +61,19 @@ class Side:
     pulls_per_s: dict[str, float | None] = field(default_factory=dict)  # "idle", "load"
     instance_pss_mb: list[float] = field(default_factory=list)
     num_instances: int = 0
+    load_s: float = 0.0  # wall time of the load
+    num_lost: int = 0  # streams of the load that went silent (see `_one`)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.load_s, 1e-9)
+
+    def front_us_per_pull(self) -> float | None:
+        """The front's CPU per pull answered under load (every replica's pulls)."""
+        pulls_per_s = self.pulls_per_s.get("load")
+        if not pulls_per_s:
+            return None
+        return self.cpu_ms.get("front", 0.0) * 1000 / (pulls_per_s * self.load_s)
 
     def per_1k(self, group: str) -> float:
         return self.cpu_ms.get(group, 0.0) * 1000 / max(self.tokens, 1)
@@ -147,12 +161,15 @@ def cpu_ms_between(before: dict, after: dict) -> dict[str, float]:
 
 # ---- load ----------------------------------------------------------------------------------
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[float]]:
-    """Streamed tokens and the arrival time of each content chunk (from the send). A kept-alive
-    connection that the server closed as the request went out is retried once on a new one."""
+    """Streamed tokens and the arrival time of each content chunk (from the send); -1 tokens
+    for a stream that went silent for the client's timeout. A kept-alive connection that the
+    server closed as the request went out is retried once on a new one."""
     try:
         return await _stream_one(client, url, body)
     except (httpx.ReadError, httpx.RemoteProtocolError):
         return await _stream_one(client, url, body)
+    except httpx.ReadTimeout:  # a stream that stopped: lost, counted (`Side.num_lost`)
+        return -1, []
 
 
 async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[float]]:
@@ -173,20 +190,23 @@ async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[
 
 
 async def run_load(
-    url: str, model: str, concurrency: int, requests_each: int, max_tokens: int
-) -> tuple[int, list[list[float]]]:
+    url: str, model: str, concurrency: int, requests_each: int, max_tokens: int,
+    timeout_s: float = STREAM_TIMEOUT_S,
+) -> tuple[int, list[list[float]], int]:  # fmt: skip
+    """(tokens streamed, each stream's chunk arrivals, streams lost)."""
     body = {"model": model, "prompt": "Tell me about the sea and the ships on it",
             "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
 
         async def worker() -> list[tuple[int, list[float]]]:
             return [await _one(client, url, body) for _ in range(requests_each)]
 
         results = [r for rs in await asyncio.gather(*(worker() for _ in range(concurrency)))
                    for r in rs]  # fmt: skip
-    return sum(t for t, _ in results), [a for _, a in results]
+    lost = sum(t < 0 for t, _ in results)
+    return sum(max(t, 0) for t, _ in results), [a for _, a in results], lost
 
 
 def _latency(arrivals: list[list[float]], concurrency: int) -> dict[str, float]:
@@ -239,15 +259,16 @@ def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
         asyncio.run(run_load(url, model, 4, 2, 8))  # warm up every path
         latency = {}
         for concurrency in (1, 16):
-            _, arrivals = asyncio.run(run_load(url, model, concurrency, 3, 16))
+            _, arrivals, _ = asyncio.run(run_load(url, model, concurrency, 3, 16))
             latency.update(_latency(arrivals, concurrency))
         idle_pct, idle_pulls = measure_idle(url, proc.pid, args.idle_s, args.idle_settle_s)
         num_instances, pulls_before = num_pulls(url)
         spy = _py_spy(proc.pid, args.py_spy, label)
         before, start = snapshot(proc.pid), time.monotonic()
-        tokens, _ = asyncio.run(
-            run_load(url, model, args.concurrency, args.requests_each, args.max_tokens)
-        )
+        tokens, _, lost = asyncio.run(
+            run_load(url, model, args.concurrency, args.requests_each, args.max_tokens,
+                     args.stream_timeout_s)
+        )  # fmt: skip
         after, elapsed = snapshot(proc.pid), time.monotonic() - start
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its profile and exits
@@ -259,6 +280,8 @@ def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
         side.pulls_per_s = {"idle": idle_pulls, "load": _rate(pulls_before, pulls_after, elapsed)}
         side.instance_pss_mb = instance_pss_mb(proc.pid)
         side.num_instances = num_instances
+        side.load_s = elapsed
+        side.num_lost = lost
         return side
     finally:
         _stop(proc)
@@ -308,14 +331,19 @@ def report(sides: list[Side]) -> str:
                  *(f"{v:.1f}" for v in s.latency.values())]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| side | instances | idle % of a core: " + " / ".join(groups)
-              + " | pulls/s idle | pulls/s load | front ms/request | PSS MB/instance |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+              + " | pulls/s idle | pulls/s load | tokens/s | tokens/pull | front µs/pull"
+              " | front ms/request | PSS MB/instance | streams lost |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for s in sides:
         idle = " / ".join(f"{s.idle_pct.get(g, 0.0):.1f}" for g in groups)
         pulls = [f"{v:.0f}" if v is not None else "n/a" for v in s.pulls_per_s.values()]
+        load_pulls, per_pull = s.pulls_per_s.get("load"), s.front_us_per_pull()
+        per_token = f"{s.tokens_per_s / load_pulls:.1f}" if load_pulls else "n/a"
         pss = statistics.mean(s.instance_pss_mb) if s.instance_pss_mb else 0.0
         lines.append(f"| {s.label} | {s.num_instances} | {idle} | {' | '.join(pulls)} | "
-                     f"{s.per_request('front'):.1f} | {pss:.0f} |")  # fmt: skip
+                     f"{s.tokens_per_s:.0f} | {per_token} | "
+                     f"{'n/a' if per_pull is None else f'{per_pull:.0f}'} | "
+                     f"{s.per_request('front'):.1f} | {pss:.0f} | {s.num_lost} |")  # fmt: skip
     if len(sides) == 2:
         old, new = sides
         ratio = new.per_1k("front") / max(old.per_1k("front"), 1e-9)
@@ -337,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-each", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ready-timeout-s", type=float, default=300.0)
+    parser.add_argument("--stream-timeout-s", type=float, default=STREAM_TIMEOUT_S,
+                        help="a load stream silent this long counts as lost")  # fmt: skip
     parser.add_argument("--py-spy", default=None, metavar="PREFIX",
                         help="profile the serving process under load into PREFIX-LABEL.txt")  # fmt: skip
     parser.add_argument("--idle-settle-s", type=float, default=10.0,

@@ -5,10 +5,14 @@ connections over them, and each attaches to the one instance pool with a client 
 (it plans its own requests and reads its tokens straight from the instances). The serving
 process is replica 0; the others are Ray actors on one Ray node of its host (they must share
 its network), asking for `gateway.num_cpus` and `gateway.resources` like Serve replicas do.
+Each serves HTTP on its Front's event loop (`serve_on_front`), so a stream's outputs reach its
+response with no hop between threads.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import errno
 import socket
 from typing import Any
@@ -50,8 +54,21 @@ def gateway_app(cluster: Cluster) -> FastAPI:
     return create_app(cluster, cluster.config.gateway, cluster.model_name, cluster.max_model_len)
 
 
+GRACEFUL_SHUTDOWN_S = 5
+
+
 def uvicorn_server(app: Any) -> uvicorn.Server:
-    return uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+    return uvicorn.Server(
+        uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    )
+
+
+def serve_on_front(
+    server: uvicorn.Server, cluster: Cluster, sock: socket.socket
+) -> concurrent.futures.Future[None]:
+    """Run `server` (the cluster's gateway) on `sock` from the cluster's Front's event loop;
+    the future ends with it (`server.should_exit = True` stops it)."""
+    return cluster.front.run_coroutine(server.serve(sockets=[sock]))
 
 
 class GatewayReplica:
@@ -64,7 +81,7 @@ class GatewayReplica:
 
     async def serve(self) -> None:
         """Serve until the actor is killed."""
-        await self.server.serve(sockets=[self.sock])
+        await asyncio.wrap_future(serve_on_front(self.server, self.cluster, self.sock))
 
     async def started(self) -> bool:
         return self.server.started

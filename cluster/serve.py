@@ -3,16 +3,25 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import signal
+import socket
 from types import FrameType
 
 import ray
 
 from cluster.config import ClusterConfig
 from cluster.control.launch import Cluster, launch
-from cluster.replicas import gateway_app, listen, start_replicas, uvicorn_server
+from cluster.replicas import (
+    GRACEFUL_SHUTDOWN_S,
+    gateway_app,
+    listen,
+    serve_on_front,
+    start_replicas,
+    uvicorn_server,
+)
 from engine.kv_budget import GiB
 
 logger = logging.getLogger(__name__)
@@ -51,7 +60,7 @@ def serve(config: ClusterConfig) -> None:
                 "serving %r on http://%s:%d/v1 (%d gateway %s)",
                 cluster.model_name, host, port, settings.replicas, replicas_word,
             )  # fmt: skip
-            uvicorn_server(gateway_app(cluster)).run(sockets=[sock])
+            _serve_until_interrupted(cluster, sock)
         except KeyboardInterrupt:
             logger.info("stopping")
         finally:
@@ -61,6 +70,20 @@ def serve(config: ClusterConfig) -> None:
             if cluster is not None:
                 cluster.shutdown()
                 logger.info("stopped")
+
+
+def _serve_until_interrupted(cluster: Cluster, sock: socket.socket) -> None:
+    """Serve the gateway from the Front's event loop (this thread only waits) until Ctrl-C
+    or SIGTERM, then let it finish its open responses for a few seconds."""
+    server = uvicorn_server(gateway_app(cluster))
+    served = serve_on_front(server, cluster, sock)
+    try:
+        served.result()
+    except KeyboardInterrupt:
+        server.should_exit = True
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            served.result(timeout=GRACEFUL_SHUTDOWN_S + 1)
+        raise
 
 
 def _log_instances(cluster: Cluster) -> None:
