@@ -267,7 +267,8 @@ def _set_vision(config: dict, profile: SimProfile) -> None:
             f"sim profile {profile.name!r} models a vision tower: its tokenizer "
             f"{profile.tokenizer!r} must be a LLaVA-style model (e.g. preset:tiny-llava)"
         )
-    vision["image_size"], vision["patch_size"] = profile.vision.image_size, profile.vision.patch_size
+    vision["image_size"] = profile.vision.image_size
+    vision["patch_size"] = profile.vision.patch_size
     config["image_seq_length"] = profile.vision.num_image_tokens
 
 
