@@ -126,3 +126,17 @@ def test_plan_runs_each_split_on_the_simulator_and_names_the_best(ray_session, t
     assert data["best"] in ("1P1D", "2mixed") and f"best split: {data['best']}" in printed
     assert (out / "plan.md").read_text().count("| 2mixed |") == 2  # goodput and latency rows
     assert (out / "plan.png").stat().st_size > 0
+
+
+@pytest.mark.slow  # a 3-instance launch: ~1 min on 2 busy cores
+def test_plan_runs_an_epd_split_with_images_on_the_multimodal_profile(ray_session, tmp_path):
+    out = tmp_path / "plan"
+    argv = ["--profile", "h100-llava-llama-3.1-8b", "--instances", "3", "--with-encoder",
+            "--splits", "1E1P1D", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "500", "--synthetic",
+            "--num-requests", "4", "--prompt-len", "16", "--output-len", "4",
+            "--image-fraction", "1", "--rates", "4", "--time-scale", "2", "--out", str(out)]  # fmt: skip
+    assert plan.main(argv) == 0
+    (split,) = json.loads((out / "plan.json").read_text())["splits"]
+    (point,) = split["points"]
+    assert split["name"] == "1E1P1D" and split["all_blocks_free"]
+    assert point["num_ok"] == point["num_requests"] == 4 and point["ttft_p50_ms"] > 0
