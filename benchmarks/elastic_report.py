@@ -50,6 +50,26 @@ def step_attainment(
     return [sum(m) / len(m) if m else None for m in met]
 
 
+def scale_events(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each change of the planner's desired count of a role, from the elastic run's samples:
+    when it was first seen, the count then, and when the live count reached it (None: never
+    within the run), so its lag is what a scale-up or drain took."""
+    events: list[dict[str, Any]] = []
+    for role in ROLES:
+        desired_before = None
+        for i, sample in enumerate(samples):
+            desired = (sample.get("desired") or {}).get(role)
+            if desired is None or desired == desired_before:
+                continue
+            if desired_before is not None:
+                reached = next((later["t_s"] for later in samples[i:]
+                                if later["counts"].get(role) == desired), None)  # fmt: skip
+                events.append({"role": role, "t_s": sample["t_s"], "count": sample["counts"][role],
+                               "desired": desired, "reached_s": reached})  # fmt: skip
+            desired_before = desired
+    return sorted(events, key=lambda e: e["t_s"])
+
+
 def oracle_instance_seconds(
     runs: list[dict[str, Any]], steps: tuple[RateStep, ...], target: float = GOODPUT_ATTAINMENT
 ) -> float | None:
@@ -161,6 +181,13 @@ def markdown(results: dict[str, Any], steps: tuple[RateStep, ...]) -> str:
                   f"{'met' if g['met'] else 'not met'}**"]  # fmt: skip
     if slo:
         lines += ["", "SLO attainment per rate step:", "", *step_table(results["runs"], steps)]
+    events = [e for r in results["runs"] if r["autoscale"] for e in scale_events(r["samples"])]
+    if events:
+        lines += ["", "The planner's changes (elastic run; first sample showing the new desired "
+                  "count, and when the pool had it):", ""]  # fmt: skip
+        lines += [f"- {e['role']} {e['count']} → {e['desired']} at {e['t_s']:.2f} s, reached "
+                  + ("never" if e["reached_s"] is None else f"at {e['reached_s']:.2f} s "
+                     f"({e['reached_s'] - e['t_s']:.2f} s later)") for e in events]  # fmt: skip
     oracle = results.get("oracle_instance_seconds")
     if oracle is not None:
         largest = max(_num_instances(r) for r in results["runs"] if r["autoscale"] is None)

@@ -157,6 +157,20 @@ def test_the_oracle_takes_per_step_the_smallest_fixed_pool_meeting_the_target():
     assert table[2:] == ["| elastic | 100% | 20% | — |", "| 1P1D | 95% | 30% | — |"]
 
 
+def test_scale_events_time_each_desired_change_until_the_pool_has_it():
+    def sample(t_s, prefill, desired_prefill):
+        return {"t_s": t_s, "counts": {"prefill": prefill, "decode": 1},
+                "desired": {"prefill": desired_prefill, "decode": 1}}  # fmt: skip
+
+    samples = [sample(0, 1, 1), sample(1, 1, 2), sample(2, 1, 2), sample(3, 2, 2),
+               sample(4, 2, 1), sample(5, 1, 1), sample(6, 1, 2)]  # fmt: skip
+    assert elastic_report.scale_events(samples) == [
+        {"role": "prefill", "t_s": 1, "count": 1, "desired": 2, "reached_s": 3},
+        {"role": "prefill", "t_s": 4, "count": 2, "desired": 1, "reached_s": 5},
+        {"role": "prefill", "t_s": 6, "count": 1, "desired": 2, "reached_s": None},
+    ]
+
+
 def _args(*argv: str) -> Namespace:
     return elastic.build_parser().parse_args(["--ttft-slo-ms", "250", *argv])
 
