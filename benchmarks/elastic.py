@@ -209,15 +209,24 @@ def multinode_ray(num_nodes: dict[str, int]) -> Iterator[str]:
                 cluster.shutdown()
 
 
-def ray_for_run(args: argparse.Namespace, config_path: Path) -> contextlib.AbstractContextManager:
-    """A real model's multi-node cluster (a node per slot of the largest pool), or for a
-    simulated model one embedded Ray with the CPUs of the largest pool's instances."""
-    from benchmarks.targets import Variant, embedded_ray, load_variant
+def ray_for_run(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """A real model's pool gets a fresh multi-node cluster (a node per slot of the largest
+    pool); a simulated one runs on the embedded Ray of `ray_for_bench`."""
+    if is_sim(args):
+        return contextlib.nullcontext()
+    return multinode_ray({"prefill": args.max_prefill, "decode": args.max_decode})
 
-    largest = {"prefill": args.max_prefill, "decode": args.max_decode}
+
+def ray_for_bench(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """For a simulated model, one embedded Ray for every run, with the CPUs of the largest
+    pool's instances (starting Ray once: on a loaded host a start can time out)."""
+    from benchmarks.targets import embedded_ray
+    from cluster.config import ClusterConfig
+
     if not is_sim(args):
-        return multinode_ray(largest)
-    config = load_variant(Variant(str(config_path)), None)
+        return contextlib.nullcontext()
+    largest = {"prefill": args.max_prefill, "decode": args.max_decode}
+    config = ClusterConfig.model_validate(pool_config(args, RunSpec("largest", largest)))
     return embedded_ray(math.ceil(sum(config.role(r).num_cpus * largest[r] for r in ROLES)))
 
 
@@ -334,7 +343,7 @@ def bench_run(
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(pool_config(args, spec)), encoding="utf-8")
     print(f"\n== {spec.name}: {spec.sizes} {'autoscaled' if spec.autoscale else 'fixed'} ==")
-    with ray_for_run(args, config_path), local_target(Variant(str(config_path)), None) as target:
+    with ray_for_run(args), local_target(Variant(str(config_path)), None) as target:
         target.name = spec.name
         fitted = workload.fit(target.max_model_len)
         bench.warm_up(target, fitted, args.seed + 1)
@@ -474,13 +483,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     results["machine"]["loadavg_start"] = report.loadavg()
     reference: Slo | None = None
-    for spec in run_specs(args):
-        run = bench_run(spec, args, workload, reference, steps)
-        results["runs"].append(run)
-        if reference is None and run["slo"]:
-            reference = Slo(**run["slo"])
-    results["machine"]["loadavg_end"] = report.loadavg()
-    paths = write_all(results, steps, Path(args.out))
+    with ray_for_bench(args):
+        for spec in run_specs(args):
+            run = bench_run(spec, args, workload, reference, steps)
+            results["runs"].append(run)
+            if reference is None and run["slo"]:
+                reference = Slo(**run["slo"])
+            results["machine"]["loadavg_end"] = report.loadavg()
+            paths = write_all(results, steps, Path(args.out))  # a cut run keeps these
     print(paths[1].read_text(encoding="utf-8"))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
