@@ -2,30 +2,45 @@
 
 Requests take their prompt and output lengths from a trace (the Azure LLM conversation trace
 by default, in trace order, scaled and clamped as in `pdcluster bench`) and arrive as a
-Poisson process whose rate is piecewise constant: `--rate-steps 0.3:60,1.2:60,0.3:60` is
-0.3 req/s for 60 s, then 1.2 req/s for 60 s, then 0.3 req/s for 60 s. The same requests
-(same arrival times, same prompt token ids) are replayed open loop, streaming, against three
-pools, each on a fresh multi-node Ray cluster on this machine: a head with 0 CPUs and one
-1-CPU node per instance slot, declaring `pdcluster_prefill` or `pdcluster_decode`, so that
-every instance gets a raylet of its own and KV blocks cross raylets. The runs:
+Poisson process whose rate is piecewise constant (benchmarks/rate_profile.py):
+`--rate-steps 0.3:60,1.2:60,0.3:60`, or `--rate-from-trace 300 --peak-rate R --step-s S`, the
+trace's own rate per 300 s window scaled to a peak of R req/s, each window S seconds long. The
+same requests (same arrival times, same prompt token ids) are replayed open loop, streaming,
+against each pool (`--runs`):
 
 - elastic: starts at the smallest size; the planner scales P and D within [min, max];
-- smallest: fixed at the minimum P and D;
-- largest: fixed at the maximum P and D.
+- smallest / largest: fixed at the minimum / maximum P and D;
+- fixed: every fixed size in between (each P count × each D count), named like 2P1D.
 
-Every second the number of instances per role is sampled from the gateway's view of the
-pool (an instance counts from when it joins the pool, ready, until it has drained and left;
-its boot time is not counted); instance-seconds integrate those counts over the run (first
-request sent to last answer). Only P and D count: these text-only pools run no encoder, and
-the gateway and pool controller (in or beside this process) are not counted. Writes
-results.json, summary.md and elastic.png (request rate over time above instances per role)
-to --out.
+Real models run each pool on a fresh multi-node Ray cluster on this machine: a head with 0
+CPUs and one 1-CPU node per instance slot, declaring `pdcluster_prefill` or
+`pdcluster_decode`, so that every instance gets a raylet of its own and KV blocks cross
+raylets. A simulated model (`--model sim:PROFILE`, base config benchmarks/configs/
+plan-sim.yaml) runs on one embedded Ray, and everything is in **modeled** time: with
+`--time-scale S` the rates, SLOs, planner interval and cooldowns given are modeled, run S×
+slower on the wall clock, and reported divided back; each run reports the share of simulated
+steps that overran their modeled time (the host fell behind) and whether every instance ended
+with all blocks free.
 
-The "nodes" share this machine's cores: on a small machine they oversubscribe the CPU, so a
-larger pool buys less than real nodes would; summary.md states the machine.
+Every second (wall) the number of instances per role is sampled from the gateway's view of
+the pool (an instance counts from when it joins the pool, ready, until it has drained and
+left; its boot time is not counted); instance-seconds integrate those counts over the run
+(first request sent to last answer). Only P and D count: these text-only pools run no
+encoder, and the gateway and pool controller (in or beside this process) are not counted.
+Per rate step, each run's attainment; from the fixed runs', the "oracle": the instance-seconds
+of a pool that in every step had the fewest instances of any fixed run meeting 90% attainment
+in that step, with no time to scale (the best any planner could do with those sizes). Writes
+results.json, summary.md and elastic.png (request rate over time above instances per role).
+
+The "nodes" of a real-model run share this machine's cores: on a small machine they
+oversubscribe the CPU, so a larger pool buys less than real nodes would; summary.md states
+the machine.
 
     python -m benchmarks.elastic --rate-steps 0.3:60,1.2:60,0.3:60 --model preset:small-llama \\
         --token-scale 0.25 --slo-scale 5,3 --out elastic-out
+    python -m benchmarks.elastic --model sim:h100-llama-3.1-8b --time-scale 8 \\
+        --rate-from-trace 300 --peak-rate 48 --step-s 3 --runs elastic,fixed \\
+        --max-prefill 3 --max-decode 1 --ttft-slo-ms 250 --tpot-slo-ms 100 --out elastic-sim
 """
 
 from __future__ import annotations
@@ -33,9 +48,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
+import math
 import os
-import random
 import shlex
 import sys
 import time
@@ -47,87 +61,29 @@ from typing import Any
 import yaml
 
 from benchmarks import report
+from benchmarks.elastic_report import (
+    ROLES,
+    instance_seconds,
+    step_attainment,
+    topology_name,
+    write_all,
+)
 from benchmarks.metrics import Slo
+from benchmarks.rate_profile import (
+    RateStep,
+    parse_rate_steps,
+    poisson_arrivals,
+    stepped_workload,
+    trace_rate_steps,
+)
 from benchmarks.targets import Target, keep_current_cluster_record, resolve_config
 from benchmarks.workload import LengthScaling, Workload, trace_workload
 
-ROLES = ("prefill", "decode")
 STORE_BYTES = 100 * 1024 * 1024  # object store per Ray node
 SAMPLE_INTERVAL_S = 1.0
-GOAL_INSTANCE_SECONDS_RATIO = 0.7  # elastic at most this × the largest pool's instance-seconds
-
-
-# ---- rate schedule ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class RateStep:
-    rate_rps: float
-    duration_s: float
-
-
-def parse_rate_steps(text: str) -> tuple[RateStep, ...]:
-    """'0.3:60,1.2:60' -> steps of (req/s, seconds); ValueError on a malformed one."""
-    steps = []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        rate, sep, seconds = part.partition(":")
-        try:
-            step = RateStep(float(rate), float(seconds))
-        except ValueError:
-            raise ValueError(f"rate step {part!r} is not RATE:SECONDS") from None
-        if not sep or step.rate_rps < 0 or step.duration_s <= 0:
-            raise ValueError(f"rate step {part!r}: need RATE >= 0 and SECONDS > 0")
-        steps.append(step)
-    if not steps:
-        raise ValueError("--rate-steps needs at least one RATE:SECONDS")
-    return tuple(steps)
-
-
-def format_rate_steps(steps: tuple[RateStep, ...]) -> str:
-    return ",".join(f"{s.rate_rps:g}:{s.duration_s:g}" for s in steps)
-
-
-def step_starts(steps: tuple[RateStep, ...]) -> list[float]:
-    """Start time of each step, and the schedule's end last."""
-    starts = [0.0]
-    for step in steps:
-        starts.append(starts[-1] + step.duration_s)
-    return starts
-
-
-def rate_at(steps: tuple[RateStep, ...], t_s: float) -> float:
-    """The scheduled rate at `t_s` (0 outside the schedule)."""
-    starts = step_starts(steps)
-    for step, start, end in zip(steps, starts, starts[1:]):
-        if start <= t_s < end:
-            return step.rate_rps
-    return 0.0
-
-
-def poisson_arrivals(steps: tuple[RateStep, ...], seed: int = 0) -> list[float]:
-    """Arrival times of a Poisson process whose rate is each step's within that step
-    (exponential gaps are memoryless, so restarting the clock at each step is exact)."""
-    rng = random.Random(seed)
-    starts = step_starts(steps)
-    arrivals: list[float] = []
-    for step, start, end in zip(steps, starts, starts[1:]):
-        t = start
-        while step.rate_rps > 0 and (t := t + rng.expovariate(step.rate_rps)) < end:
-            arrivals.append(t)
-    return arrivals
-
-
-def stepped_workload(
-    base: Workload, arrivals: list[float], steps: tuple[RateStep, ...]
-) -> Workload:
-    """The first len(arrivals) requests of `base` (their lengths), at `arrivals`."""
-    if len(base.requests) < len(arrivals):
-        raise ValueError(f"the trace window has {len(base.requests)} requests; the rate steps "
-                         f"need {len(arrivals)}")  # fmt: skip
-    if not arrivals:
-        raise ValueError("the rate steps produce no request")
-    requests = tuple(replace(r, arrival_s=t) for r, t in zip(base.requests, arrivals))
-    scaling = {**base.scaling, "num_requests": len(requests), "rate_rps": None,
-               "rate_steps": format_rate_steps(steps)}  # fmt: skip
-    return Workload(requests, scaling)
+SIM_CONFIG = Path(__file__).resolve().parent / "configs" / "plan-sim.yaml"
+REAL_CONFIG = "local-1p1d"
+FIXED_RUNS = ("smallest", "largest", "fixed")
 
 
 def describe(workload: Workload) -> str:
@@ -135,10 +91,20 @@ def describe(workload: Workload) -> str:
             f"{workload.scaling['rate_steps']} (req/s:s)")  # fmt: skip
 
 
-# ---- instance-seconds -------------------------------------------------------------------
+def is_sim(args: argparse.Namespace) -> bool:
+    return str(args.model or "").startswith("sim:")
+
+
+def scaled_arrivals(workload: Workload, scale: float) -> Workload:
+    """The workload on the wall clock: every modeled arrival time × `scale`."""
+    requests = tuple(replace(r, arrival_s=r.arrival_s * scale) for r in workload.requests)
+    return Workload(requests, workload.scaling)
+
+
+# ---- instance samples ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class InstanceSample:
-    t_s: float  # since the run started
+    t_s: float  # since the run started (modeled, for a simulated model)
     counts: dict[str, int]  # role -> live instances
     desired: dict[str, int] | None = None  # the planner's, where it runs
 
@@ -151,64 +117,68 @@ def role_counts(instances: dict[str, tuple[str, Any]]) -> dict[str, int]:
     return counts
 
 
-def instance_seconds(samples: list[InstanceSample], end_s: float) -> dict[str, float]:
-    """Per role, the integral of the sampled counts from the first sample to `end_s`: each
-    sample's counts hold until the next sample. "total" sums P and D."""
-    ordered = sorted(samples, key=lambda s: s.t_s)
-    out = dict.fromkeys(ROLES, 0.0)
-    for sample, following in zip(ordered, ordered[1:] + [None]):
-        until = min(end_s, following.t_s if following else end_s)
-        for role in ROLES:
-            out[role] += sample.counts.get(role, 0) * max(0.0, until - sample.t_s)
-    out["total"] = sum(out[r] for r in ROLES)
-    return out
-
-
 # ---- runs -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RunSpec:
-    name: str  # elastic | smallest | largest
+    name: str  # elastic, or the fixed pool's topology (e.g. 2P1D)
     sizes: dict[str, int]  # starting instances per role
     autoscale: dict[str, Any] | None = None
 
 
 def run_specs(args: argparse.Namespace) -> list[RunSpec]:
+    """The runs of `--runs` in order (a fixed size named twice runs once)."""
     smallest = {"prefill": args.min_prefill, "decode": args.min_decode}
-    largest = {"prefill": args.max_prefill, "decode": args.max_decode}
-    specs = {
-        "elastic": RunSpec("elastic", smallest, autoscale_section(args)),
-        "smallest": RunSpec("smallest", smallest),
-        "largest": RunSpec("largest", largest),
-    }
-    return [specs[name] for name in args.runs.split(",")]
+    fixed = {
+        "smallest": [smallest],
+        "largest": [{"prefill": args.max_prefill, "decode": args.max_decode}],
+        "fixed": [{"prefill": p, "decode": d}
+                  for p in range(args.min_prefill, args.max_prefill + 1)
+                  for d in range(args.min_decode, args.max_decode + 1)],
+    }  # fmt: skip
+    specs: dict[str, RunSpec] = {}
+    for name in args.runs.split(","):
+        if name == "elastic":
+            specs.setdefault(name, RunSpec(name, smallest, autoscale_section(args)))
+        for sizes in fixed.get(name, []):
+            specs.setdefault(topology_name(sizes), RunSpec(topology_name(sizes), sizes))
+    return list(specs.values())
 
 
 def autoscale_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The planner's settings; its interval and cooldowns are modeled seconds, run × scale."""
+    scale = args.time_scale
     return {
         "prefill": {"min": args.min_prefill, "max": args.max_prefill,
                     "target_queued_prefill_tokens": args.target_queued_prefill_tokens},
         "decode": {"min": args.min_decode, "max": args.max_decode,
                    "target_kv_usage": args.target_kv_usage,
                    "target_running_per_instance": args.target_running_per_decode},
-        "interval_s": args.interval_s,
-        "scale_up_cooldown_s": args.scale_up_cooldown_s,
-        "scale_down_cooldown_s": args.scale_down_cooldown_s,
+        "interval_s": args.interval_s * scale,
+        "scale_up_cooldown_s": args.scale_up_cooldown_s * scale,
+        "scale_down_cooldown_s": args.scale_down_cooldown_s * scale,
         "scale_down_fraction": args.scale_down_fraction,
     }  # fmt: skip
 
 
 def pool_config(args: argparse.Namespace, spec: RunSpec) -> dict[str, Any]:
-    """The base config with the run's model, roles pinned to their nodes, and autoscaling."""
-    data = yaml.safe_load(resolve_config(args.config).read_text(encoding="utf-8"))
+    """The base config with the run's model and autoscaling; a real model's roles pinned to
+    their nodes, a simulated one's time scale set."""
+    base = args.config or (SIM_CONFIG if is_sim(args) else REAL_CONFIG)
+    data = yaml.safe_load(resolve_config(str(base)).read_text(encoding="utf-8"))
     for role in ("encoder", "mixed"):
         data.pop(role, None)
+    pinned: dict[str, dict[str, Any]] = {
+        role: {} if is_sim(args) else {"num_cpus": 1, "resources": {f"pdcluster_{role}": 1}}
+        for role in ROLES
+    }
     for role in ROLES:
-        data[role] = {**data.get(role, {}), "count": spec.sizes[role], "num_cpus": 1,
-                      "resources": {f"pdcluster_{role}": 1}}  # fmt: skip
-    data.pop("ray", None)  # this process connects to the multi-node cluster itself
+        data[role] = {**data.get(role, {}), "count": spec.sizes[role], **pinned[role]}
+    data.pop("ray", None)  # this process starts or joins the Ray cluster itself
     data.pop("gateway", None)
     if args.model:
         data["model"] = args.model
+    if is_sim(args):
+        data.setdefault("engine", {})["sim_time_scale"] = args.time_scale
     if spec.autoscale:
         data["autoscale"] = spec.autoscale
     return data
@@ -237,6 +207,27 @@ def multinode_ray(num_nodes: dict[str, int]) -> Iterator[str]:
             ray.shutdown()
             if cluster is not None:
                 cluster.shutdown()
+
+
+def ray_for_run(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """A real model's pool gets a fresh multi-node cluster (a node per slot of the largest
+    pool); a simulated one runs on the embedded Ray of `ray_for_bench`."""
+    if is_sim(args):
+        return contextlib.nullcontext()
+    return multinode_ray({"prefill": args.max_prefill, "decode": args.max_decode})
+
+
+def ray_for_bench(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """For a simulated model, one embedded Ray for every run, with the CPUs of the largest
+    pool's instances (starting Ray once: on a loaded host a start can time out)."""
+    from benchmarks.targets import embedded_ray
+    from cluster.config import ClusterConfig
+
+    if not is_sim(args):
+        return contextlib.nullcontext()
+    largest = {"prefill": args.max_prefill, "decode": args.max_decode}
+    config = ClusterConfig.model_validate(pool_config(args, RunSpec("largest", largest)))
+    return embedded_ray(math.ceil(sum(config.role(r).num_cpus * largest[r] for r in ROLES)))
 
 
 async def sample_instances(
@@ -282,33 +273,55 @@ async def load_with_samples(
     return outcome, samples
 
 
+def modeled_latencies(summary: dict[str, Any], scale: float) -> dict[str, float | None]:
+    """TTFT and TPOT p50 / p90 of a run's summary, divided back to modeled ms."""
+    return {f"{metric}_{q}_ms": None if (v := summary[f"{metric}_ms"][q]) is None else v / scale
+            for metric in ("ttft", "tpot") for q in ("p50", "p90")}  # fmt: skip
+
+
 def measure_run(
-    spec: RunSpec, target: Target, workload: Workload, slo: Slo | None, args: argparse.Namespace
+    spec: RunSpec,
+    target: Target,
+    workload: Workload,
+    slo: Slo | None,
+    args: argparse.Namespace,
+    steps: tuple[RateStep, ...],
 ) -> dict[str, Any]:
-    from benchmarks import bench
+    from benchmarks import bench, plan
     from benchmarks.metrics import summarize
     from benchmarks.targets import wait_quiet
 
     wait_quiet(target)
-    prepared = bench.prepare(workload.requests, target.model, args.seed)  # same in every run
-    limit_s = workload.requests[-1].arrival_s + args.drain_s
+    scale = args.time_scale
+    wall = scaled_arrivals(workload, scale)
+    prepared = bench.prepare(wall.requests, target.model, args.seed)  # same in every run
+    limit_s = wall.requests[-1].arrival_s + args.drain_s
+    steps_before = plan.sim_step_counts(target) if is_sim(args) else (0, 0)
     outcome, samples = asyncio.run(
         load_with_samples(target, prepared, limit_s, spec.autoscale is not None)
     )
     summary = summarize(outcome.results, outcome.duration_s, slo)
-    print(report.run_line(spec.name, workload.mean_rate, summary))
+    print(report.run_line(spec.name, wall.mean_rate, summary))
     planner = asyncio.run(_planner_state(target.cluster)) if spec.autoscale else None
-    return {
+    modeled = [InstanceSample(s.t_s / scale, s.counts, s.desired) for s in samples]
+    result = {
         "name": spec.name,
         "sizes": spec.sizes,
         "autoscale": spec.autoscale,
         "summary": summary,
-        "instance_seconds": instance_seconds(samples, outcome.duration_s),
-        "samples": [asdict(s) for s in samples],
+        "modeled_ms": modeled_latencies(summary, scale),
+        "instance_seconds": instance_seconds(modeled, outcome.duration_s / scale),
+        "step_attainment": step_attainment(outcome.results, steps, slo, scale) if slo else None,
+        "samples": [asdict(s) for s in modeled],
         "planner": planner,
         "loadavg_after": report.loadavg(),
         "requests": [r.to_dict() for r in outcome.results],
     }
+    if is_sim(args):
+        sim_steps, overrun = (a - b for a, b in zip(plan.sim_step_counts(target), steps_before))
+        result.update(sim_steps=sim_steps, sim_steps_overrun=overrun,
+                      all_blocks_free=plan.all_blocks_free(target))  # fmt: skip
+    return result
 
 
 async def _planner_state(cluster: Any) -> dict[str, Any]:
@@ -316,151 +329,41 @@ async def _planner_state(cluster: Any) -> dict[str, Any]:
 
 
 def bench_run(
-    spec: RunSpec, args: argparse.Namespace, workload: Workload, reference: Slo | None
+    spec: RunSpec,
+    args: argparse.Namespace,
+    workload: Workload,
+    reference: Slo | None,
+    steps: tuple[RateStep, ...],
 ) -> dict[str, Any]:
-    """One pool on a fresh multi-node Ray cluster: warm up, SLOs, the measured run."""
+    """One pool on a fresh Ray cluster: warm up, SLOs (wall clock), the measured run."""
     from benchmarks import bench
     from benchmarks.targets import Variant, local_target
 
     config_path = Path(args.out) / "configs" / f"{spec.name}.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(pool_config(args, spec)), encoding="utf-8")
-    nodes = {"prefill": args.max_prefill, "decode": args.max_decode}
     print(f"\n== {spec.name}: {spec.sizes} {'autoscaled' if spec.autoscale else 'fixed'} ==")
-    with multinode_ray(nodes), local_target(Variant(str(config_path)), None) as target:
+    with ray_for_run(args), local_target(Variant(str(config_path)), None) as target:
         target.name = spec.name
         fitted = workload.fit(target.max_model_len)
         bench.warm_up(target, fitted, args.seed + 1)
         isolated = None
         if args.slo_scale and reference is None:
             isolated = bench.measure_isolated(target, fitted, args.isolated_requests, args.seed + 2)
-        slo = bench.resolve_slo(args, isolated, reference)
-        result = measure_run(spec, target, fitted, slo, args)
+        slo = bench.resolve_slo(_wall_slo_args(args), isolated, reference)
+        result = measure_run(spec, target, fitted, slo, args, steps)
     result.update(config=str(config_path), isolated=isolated, model=target.model)
     result["slo"] = asdict(slo) if slo else None
     return result
 
 
-# ---- report -----------------------------------------------------------------------------
-def comparison_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per run: attainment, instance-seconds and their ratio to the largest pool's."""
-    largest = next((r for r in runs if r["name"] == "largest"), None)
-    rows = []
-    for run in runs:
-        total = run["instance_seconds"]["total"]
-        ref = largest["instance_seconds"]["total"] if largest else None
-        rows.append({"name": run["name"], "sizes": run["sizes"],
-                     "attainment": run["summary"].get("attainment"),
-                     "num_ok": run["summary"]["num_ok"],
-                     "num_requests": run["summary"]["num_requests"],
-                     "instance_seconds": run["instance_seconds"],
-                     "ratio_vs_largest": total / ref if ref else None})  # fmt: skip
-    return rows
-
-
-def goal(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Elastic attainment >= the largest pool's at <= 70% of its instance-seconds."""
-    by_name = {r["name"]: r for r in rows}
-    elastic, largest = by_name.get("elastic"), by_name.get("largest")
-    if not elastic or not largest or elastic["attainment"] is None:
-        return None
-    attained = elastic["attainment"] >= largest["attainment"]
-    cheaper = elastic["ratio_vs_largest"] <= GOAL_INSTANCE_SECONDS_RATIO
-    return {"attainment_ok": attained, "instance_seconds_ok": cheaper, "met": attained and cheaper}
-
-
-def summary_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| run | start size | ok/sent | SLO attain | P inst-s | D inst-s | P+D inst-s | "
-             "vs largest |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        s, att, ratio = r["instance_seconds"], r["attainment"], r["ratio_vs_largest"]
-        lines.append(
-            f"| {r['name']} | {r['sizes']['prefill']}P{r['sizes']['decode']}D | "
-            f"{r['num_ok']}/{r['num_requests']} | {'—' if att is None else f'{att:.0%}'} | "
-            f"{s['prefill']:.0f} | {s['decode']:.0f} | {s['total']:.0f} | "
-            f"{'—' if ratio is None else f'{ratio:.2f}'} |"
-        )
-    return lines
-
-
-def markdown(results: dict[str, Any]) -> str:
-    lines = ["# pdcluster bench --elastic", "", f"`{results['command']}`", "",
-             f"Workload: {results['workload']}", "", report._machine_line(results["machine"]),
-             "", results["note"], ""]  # fmt: skip
-    slo = results["runs"][0].get("slo") if results["runs"] else None
-    if slo:
-        lines += [f"SLO: TTFT ≤ {slo['ttft_ms']:.1f} ms, TPOT ≤ {slo['tpot_ms']:.1f} ms "
-                  f"({results['slo_source']})", ""]  # fmt: skip
-    lines += summary_table(results["comparison"])
-    g = results.get("goal")
-    if g:
-        lines += ["", f"**Goal (elastic attainment ≥ largest's at ≤ "
-                  f"{GOAL_INSTANCE_SECONDS_RATIO:.0%} of its instance-seconds): "
-                  f"{'met' if g['met'] else 'not met'}**"]  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
-RATE_BIN_S = 5  # arrivals are counted per bin of this many seconds
-ROLE_STYLES = {"prefill": ("tab:blue", 3.5), "decode": ("tab:orange", 1.5)}  # colour, width
-
-
-def plot(results: dict[str, Any], steps: tuple[RateStep, ...], path: Path) -> bool:
-    """Request rate over time (scheduled, and arrivals per RATE_BIN_S) above instances per
-    role (the elastic run solid, fixed runs dotted)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    if not results["runs"]:
-        return False
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    _plot_rate(top, steps, [r["arrival_s"] for r in results["runs"][0]["requests"]])
-    for run in results["runs"]:
-        _plot_instances(bottom, run)
-    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
-    bottom.set_ylim(bottom=0)
-    bottom.set(xlabel="time since the first request (s)", ylabel="instances in the pool")
-    bottom.legend(fontsize=7, ncol=3)
-    top.set_title(report._wrap(results["workload"], 100), fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def _plot_rate(ax: Any, steps: tuple[RateStep, ...], arrivals: list[float]) -> None:
-    starts = step_starts(steps)
-    rates = [s.rate_rps for s in steps]
-    ax.step(starts, [*rates, rates[-1]], where="post", label="scheduled rate")
-    bins = list(range(0, int(starts[-1]) + RATE_BIN_S, RATE_BIN_S))
-    ax.hist(arrivals, bins=bins, weights=[1 / RATE_BIN_S] * len(arrivals), alpha=0.4,
-            label=f"arrivals per {RATE_BIN_S} s")  # fmt: skip
-    ax.set(ylabel="req/s")
-    ax.legend(fontsize=8)
-
-
-def _plot_instances(ax: Any, run: dict[str, Any]) -> None:
-    elastic_run = run["autoscale"] is not None
-    times = [s["t_s"] for s in run["samples"]]
-    for role, (color, width) in ROLE_STYLES.items():
-        counts = [s["counts"].get(role, 0) for s in run["samples"]]
-        ax.step(times, counts, where="post", color=color, linewidth=width,
-                linestyle="-" if elastic_run else ":", alpha=0.8 if elastic_run else 0.4,
-                label=f"{run['name']} {role}")  # fmt: skip
-
-
-def write_all(results: dict[str, Any], steps: tuple[RateStep, ...], out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    results["comparison"] = comparison_rows(results["runs"])
-    results["goal"] = goal(results["comparison"])
-    paths = [out / "results.json", out / "summary.md"]
-    paths[0].write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    paths[1].write_text(markdown(results), encoding="utf-8")
-    if plot(results, steps, out / "elastic.png"):
-        paths.append(out / "elastic.png")
-    return paths
+def _wall_slo_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The SLO options on the wall clock (modeled × scale)."""
+    scale = args.time_scale
+    return argparse.Namespace(**{
+        **vars(args), "ttft_slo_ms": args.ttft_slo_ms and args.ttft_slo_ms * scale,
+        "tpot_slo_ms": args.tpot_slo_ms and args.tpot_slo_ms * scale,
+    })  # fmt: skip
 
 
 # ---- command line -----------------------------------------------------------------------
@@ -469,8 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="pdcluster bench --elastic", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
-    w = p.add_argument_group("workload")
+    w = p.add_argument_group("workload (modeled seconds and req/s for a sim: model)")
     w.add_argument("--rate-steps", default="0.3:60,1.2:60,0.3:60", help="RATE:SECONDS,...")
+    w.add_argument("--rate-from-trace", type=float, default=None, metavar="BIN_S",
+                   help="instead of --rate-steps: the trace's rate per BIN_S-second window")  # fmt: skip
+    w.add_argument("--peak-rate", type=float, default=None, help="the busiest window's req/s")
+    w.add_argument("--step-s", type=float, default=None, help="seconds each window lasts")
     w.add_argument("--trace", default=str(default_trace()), help="trace CSV (default: %(default)s)")
     w.add_argument("--window-start-s", type=float, default=0.0, help="trace window start")
     w.add_argument("--token-scale", type=float, default=1.0, help="× trace prompt/output lengths")
@@ -480,13 +387,18 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-output-len", type=int, default=512)
     w.add_argument("--seed", type=int, default=0)
     c = p.add_argument_group("pools")
-    c.add_argument("--config", default="local-1p1d", help="base topology (engine settings)")
+    c.add_argument("--config", default=None,
+                   help=f"base topology (default {REAL_CONFIG}; for a sim: model "
+                   "benchmarks/configs/plan-sim.yaml)")  # fmt: skip
     c.add_argument("--model", default="preset:small-llama", help="model of every pool")
-    c.add_argument("--runs", default="elastic,smallest,largest", help="which runs, in order")
+    c.add_argument("--runs", default="elastic,smallest,largest",
+                   help="in order, a comma list of elastic, smallest, largest, fixed")  # fmt: skip
+    c.add_argument("--time-scale", type=float, default=1.0,
+                   help="a sim: model's modeled time runs this many times slower")  # fmt: skip
     for role, letter in (("prefill", "P"), ("decode", "D")):
         c.add_argument(f"--min-{role}", type=int, default=1, help=f"smallest {letter} count")
         c.add_argument(f"--max-{role}", type=int, default=3, help=f"largest {letter} count")
-    a = p.add_argument_group("autoscaling (elastic run)")
+    a = p.add_argument_group("autoscaling (elastic run; seconds modeled for a sim: model)")
     a.add_argument("--interval-s", type=float, default=2.0)
     a.add_argument("--scale-up-cooldown-s", type=float, default=6.0)
     a.add_argument("--scale-down-cooldown-s", type=float, default=15.0)
@@ -494,12 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--target-queued-prefill-tokens", type=int, default=1024)
     a.add_argument("--target-running-per-decode", type=int, default=8)
     a.add_argument("--target-kv-usage", type=float, default=0.8)
-    s = p.add_argument_group("SLOs")
+    s = p.add_argument_group("SLOs (modeled ms for a sim: model)")
     s.add_argument("--ttft-slo-ms", type=float, default=None)
     s.add_argument("--tpot-slo-ms", type=float, default=None)
     s.add_argument("--slo-scale", help="K or K_ttft,K_tpot × isolated TTFT/TPOT (first run's)")
     s.add_argument("--isolated-requests", type=int, default=3, help="for --slo-scale")
-    p.add_argument("--drain-s", type=float, default=120.0, help="run limit past the last arrival")
+    p.add_argument("--drain-s", type=float, default=120.0, help="run limit past the last arrival "
+                   "(wall clock)")  # fmt: skip
     p.add_argument("--out", default="elastic-out", help="output folder")
     return p
 
@@ -508,6 +421,14 @@ def slo_source(args: argparse.Namespace) -> str:
     if not args.slo_scale:
         return "absolute (--ttft-slo-ms/--tpot-slo-ms)"
     return f"{args.slo_scale} × the first run's isolated TTFT,TPOT"
+
+
+def rate_steps(args: argparse.Namespace) -> tuple[RateStep, ...]:
+    if args.rate_from_trace is None:
+        return parse_rate_steps(args.rate_steps)
+    if args.peak_rate is None or args.step_s is None:
+        raise ValueError("--rate-from-trace needs --peak-rate and --step-s")
+    return trace_rate_steps(args.trace, args.rate_from_trace, args.peak_rate, args.step_s)
 
 
 def build_workload(args: argparse.Namespace, steps: tuple[RateStep, ...]) -> Workload:
@@ -519,12 +440,17 @@ def build_workload(args: argparse.Namespace, steps: tuple[RateStep, ...]) -> Wor
 
 
 def _check(args: argparse.Namespace) -> None:
-    if set(args.runs.split(",")) - {"elastic", "smallest", "largest"} or not args.runs:
-        raise ValueError("--runs is a comma list of elastic, smallest, largest")
+    runs = args.runs.split(",")
+    if not args.runs or set(runs) - {"elastic", *FIXED_RUNS}:
+        raise ValueError(f"--runs is a comma list of elastic, {', '.join(FIXED_RUNS)}")
     if not (1 <= args.min_prefill <= args.max_prefill and 1 <= args.min_decode <= args.max_decode):
         raise ValueError("need 1 <= --min-<role> <= --max-<role>")
     if not (args.slo_scale or args.ttft_slo_ms or args.tpot_slo_ms):
         raise ValueError("SLO attainment needs SLOs: --slo-scale or --ttft-slo-ms/--tpot-slo-ms")
+    if args.time_scale <= 0:
+        raise ValueError(f"--time-scale must be above 0 (got {args.time_scale})")
+    if args.time_scale != 1 and not is_sim(args):
+        raise ValueError("--time-scale needs a simulated model (--model sim:PROFILE)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -532,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check(args)
-        steps = parse_rate_steps(args.rate_steps)
+        steps = rate_steps(args)
         workload = build_workload(args, steps)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -540,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only local clusters
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     print(f"workload: {describe(workload)}")
+    if is_sim(args):
+        print(f"time scale {args.time_scale:g}: modeled durations run {args.time_scale:g}× "
+              "slower; the run lines below are wall clock, summary.md is modeled")  # fmt: skip
     results: dict[str, Any] = {
         "command": "pdcluster bench --elastic " + shlex.join(argv),
         "argv": argv,
@@ -547,18 +476,21 @@ def main(argv: list[str] | None = None) -> int:
         "machine": report.machine_info(),
         "workload": describe(workload),
         "rate_steps": [asdict(s) for s in steps],
+        "time_scale": args.time_scale,
         "slo_source": slo_source(args),
-        "note": NOTE,
+        "note": SIM_NOTE if is_sim(args) else NOTE,
         "runs": [],
     }
+    results["machine"]["loadavg_start"] = report.loadavg()
     reference: Slo | None = None
-    for spec in run_specs(args):
-        run = bench_run(spec, args, workload, reference)
-        results["runs"].append(run)
-        if reference is None and run["slo"]:
-            reference = Slo(**run["slo"])
-    results["machine"]["loadavg_end"] = report.loadavg()
-    paths = write_all(results, steps, Path(args.out))
+    with ray_for_bench(args):
+        for spec in run_specs(args):
+            run = bench_run(spec, args, workload, reference, steps)
+            results["runs"].append(run)
+            if reference is None and run["slo"]:
+                reference = Slo(**run["slo"])
+            results["machine"]["loadavg_end"] = report.loadavg()
+            paths = write_all(results, steps, Path(args.out))  # a cut run keeps these
     print(paths[1].read_text(encoding="utf-8"))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
@@ -570,6 +502,15 @@ NOTE = (
     "oversubscribe them where there are fewer cores than nodes. Instance-seconds count P and "
     "D instances (no encoder runs) from joining the pool (ready) to leaving it (drained), "
     "sampled every second, over first request sent to last answer."
+)
+SIM_NOTE = (
+    "Simulated model: every pool runs on a fresh embedded Ray on this machine; only the "
+    "forward pass is modeled. Times, rates, SLOs, latencies and instance-seconds are modeled "
+    "(wall ÷ the time scale); an instance's boot (joining the pool) takes its wall time ÷ the "
+    "time scale, far less than a real GPU instance's. Instance-seconds count P and D instances "
+    "from joining the pool (ready) to leaving it (drained), sampled every wall second, over "
+    "first request sent to last answer. Steps overrun: the share of simulated steps that ran "
+    "past their modeled time (the host fell behind)."
 )
 
 

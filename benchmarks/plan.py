@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks import report
+from benchmarks import plan_plot, report
 from benchmarks.bench import add_workload_arguments, build_workload, start_target
 from benchmarks.metrics import GOODPUT_ATTAINMENT, goodput, search_rates
 from benchmarks.targets import Target, Variant, embedded_ray, load_variant, local_target
@@ -48,30 +48,38 @@ class Split:
     num_prefill: int
     num_decode: int
     num_mixed: int = 0
+    num_encoder: int = 0
 
     @property
     def num_instances(self) -> int:
-        return self.num_prefill + self.num_decode + self.num_mixed
+        return self.num_encoder + self.num_prefill + self.num_decode + self.num_mixed
 
     @property
     def name(self) -> str:
         if self.num_mixed:
             return f"{self.num_mixed}mixed"
-        return f"{self.num_prefill}P{self.num_decode}D"
+        encoders = f"{self.num_encoder}E" if self.num_encoder else ""
+        return f"{encoders}{self.num_prefill}P{self.num_decode}D"
 
     def settings(self) -> dict[str, int]:
         """The role counts as dotted config settings."""
-        return {"prefill.count": self.num_prefill, "decode.count": self.num_decode,
-                "mixed.count": self.num_mixed}  # fmt: skip
+        return {"encoder.count": self.num_encoder, "prefill.count": self.num_prefill,
+                "decode.count": self.num_decode, "mixed.count": self.num_mixed}  # fmt: skip
 
 
-def candidate_splits(num_instances: int) -> list[Split]:
-    """Every P:D split of `num_instances` with at least one of each (1P first), then all
-    of them mixed."""
+def candidate_splits(num_instances: int, with_encoder: bool = False) -> list[Split]:
+    """Every P:D split of `num_instances` with at least one of each (1P first), then (with
+    `with_encoder`) every E:P:D split with at least one of each (1E first), then all of them
+    mixed. Without an E, P (or mixed) encodes its requests' images itself."""
     if num_instances < 1:
         raise ValueError(f"--instances must be at least 1 (got {num_instances})")
     pd = [Split(p, num_instances - p) for p in range(1, num_instances)]
-    return [*pd, Split(0, 0, num_instances)]
+    epd = [
+        Split(p, num_instances - e - p, num_encoder=e)
+        for e in range(1, num_instances - 1)
+        for p in range(1, num_instances - e)
+    ]
+    return [*pd, *(epd if with_encoder else []), Split(0, 0, num_instances)]
 
 
 def select_splits(candidates: list[Split], names: str | None) -> list[Split]:
@@ -101,6 +109,8 @@ class RatePoint:
     tpot_p90_ms: float | None
     sim_steps: int
     sim_steps_overrun: int
+    ttft_p50_ms: float | None = None
+    tpot_p50_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +173,23 @@ def format_table(
     return "\n".join(lines)
 
 
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3g}"
+
+
+def latency_table(results: list[SplitResult]) -> str:
+    """One markdown row per split and rate: TTFT and TPOT p50 / p90 (modeled ms) and the
+    attainment there."""
+    lines = ["| split | rate req/s | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms "
+             "| attainment |", "|---" * 7 + "|"]  # fmt: skip
+    for r in results:
+        for p in r.points:
+            lines.append(f"| {r.split.name} | {p.rate_rps:.3g} | {_ms(p.ttft_p50_ms)} | "
+                         f"{_ms(p.ttft_p90_ms)} | {_ms(p.tpot_p50_ms)} | {_ms(p.tpot_p90_ms)} "
+                         f"| {p.attainment:.0%} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def verdict(
     results: list[SplitResult],
     target: float = GOODPUT_ATTAINMENT,
@@ -209,8 +236,8 @@ def all_blocks_free(target: Target) -> bool:
 def _point(run: dict[str, Any], scale: float, steps: int, overrun: int) -> RatePoint:
     summary = run["summary"]
 
-    def modeled(metric: str) -> float | None:
-        value = summary[metric]["p90"]
+    def modeled(metric: str, q: str = "p90") -> float | None:
+        value = summary[metric][q]
         return None if value is None else value / scale
 
     return RatePoint(
@@ -222,6 +249,8 @@ def _point(run: dict[str, Any], scale: float, steps: int, overrun: int) -> RateP
         tpot_p90_ms=modeled("tpot_ms"),
         sim_steps=steps,
         sim_steps_overrun=overrun,
+        ttft_p50_ms=modeled("ttft_ms", "p50"),
+        tpot_p50_ms=modeled("tpot_ms", "p50"),
     )
 
 
@@ -293,7 +322,7 @@ def _ray_cpus(splits: list[Split], args: argparse.Namespace) -> int:
     needed = 1.0
     for split in splits:
         config = load_variant(_variant(split, args), _model(args))
-        roles = ("prefill", "decode", "mixed")
+        roles = ("encoder", "prefill", "decode", "mixed")
         needed = max(needed, sum(config.role(r).count * config.role(r).num_cpus for r in roles))
     return math.ceil(needed)
 
@@ -309,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--slo-ttft-ms", type=float, required=True, help="TTFT SLO (modeled ms)")
     c.add_argument("--slo-tpot-ms", type=float, required=True, help="TPOT SLO (modeled ms)")
     c.add_argument("--splits", default=None, help="run only these candidates (e.g. 1P3D,4mixed)")
+    c.add_argument("--with-encoder", action="store_true",
+                   help="also the E:P:D splits (a multimodal profile; see --image-fraction)")  # fmt: skip
     c.add_argument("--config", default=str(DEFAULT_CONFIG), help="base config of every split")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config setting for every split, dotted as in the YAML (repeat)")  # fmt: skip
@@ -338,7 +369,7 @@ def _check(args: argparse.Namespace) -> list[Split]:
         _rates(args)
     elif args.synthetic and args.rate is None:
         raise ValueError("--synthetic with --rates auto needs --rate (the search's start)")
-    splits = select_splits(candidate_splits(args.instances), args.splits)
+    splits = select_splits(candidate_splits(args.instances, args.with_encoder), args.splits)
     for split in splits:  # every split's config is valid before anything launches
         load_variant(_variant(split, args), _model(args))
     return splits
@@ -361,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         results = [plan_split(split, args, workload) for split in splits]
     table = format_table(results, args.goodput_target, args.max_overrun_share)
     best = verdict(results, args.goodput_target, args.max_overrun_share)
-    print(f"\n{table}\n\n{best}")
-    _write(args, argv, workload, results, table + "\n\n" + best, load_before)
+    text = f"{table}\n\n{best}\n\nModeled latencies:\n\n{latency_table(results)}"
+    print(f"\n{text}")
+    _write(args, argv, workload, results, text, load_before)
     return 0
 
 
@@ -402,7 +434,8 @@ def _write(
     }
     (out / "plan.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
     (out / "plan.md").write_text(f"`{data['command']}`\n\n{text}\n", encoding="utf-8")
-    print(f"wrote {out / 'plan.json'}, {out / 'plan.md'}")
+    plan_plot.plot(results, args.slo_ttft_ms, args.goodput_target, out / "plan.png")
+    print(f"wrote {out / 'plan.json'}, {out / 'plan.md'}, {out / 'plan.png'}")
 
 
 if __name__ == "__main__":

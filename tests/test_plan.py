@@ -16,9 +16,19 @@ def test_candidate_splits_are_every_pd_split_then_all_mixed():
     assert names == ["1P3D", "2P2D", "3P1D", "4mixed"]
     assert all(s.num_instances == 4 for s in plan.candidate_splits(4))
     assert [s.name for s in plan.candidate_splits(1)] == ["1mixed"]
-    assert plan.Split(2, 1).settings() == {"prefill.count": 2, "decode.count": 1, "mixed.count": 0}
+    assert plan.Split(2, 1).settings() == {
+        "encoder.count": 0, "prefill.count": 2, "decode.count": 1, "mixed.count": 0,
+    }  # fmt: skip
     with pytest.raises(ValueError, match="at least 1"):
         plan.candidate_splits(0)
+
+
+def test_with_encoder_the_candidates_add_every_epd_split_of_the_same_count():
+    names = [s.name for s in plan.candidate_splits(4, with_encoder=True)]
+    assert names == ["1P3D", "2P2D", "3P1D", "1E1P2D", "1E2P1D", "2E1P1D", "4mixed"]
+    assert all(s.num_instances == 4 for s in plan.candidate_splits(4, with_encoder=True))
+    assert [s.name for s in plan.candidate_splits(2, with_encoder=True)] == ["1P1D", "2mixed"]
+    assert plan.Split(1, 1, num_encoder=1).settings()["encoder.count"] == 1
 
 
 def test_splits_can_be_narrowed_to_named_candidates():
@@ -53,6 +63,16 @@ def test_the_best_split_is_the_trusted_one_with_the_highest_goodput_per_instance
     assert plan.verdict(results).startswith("best split: 2P2D, goodput ≥ 8 req/s (≥ 2 per")
     results[1] = _result(Split(2, 2), {2: 1.0, 4: 1.0, 8: 0.5, 16: 0.0})
     assert plan.verdict(results) == "best split: 2P2D, goodput 4.8 req/s (1.2 per instance)"
+
+
+def test_the_latency_table_has_a_row_per_split_and_rate_in_modeled_ms():
+    point = RatePoint(40.0, 0.95, 19, 20, 120.0, 9.5, 100, 0, ttft_p50_ms=61.25, tpot_p50_ms=8.0)
+    no_tpot = RatePoint(80.0, 0.5, 20, 20, 400.0, None, 100, 0)
+    rows = plan.latency_table([SplitResult(Split(1, 1, num_encoder=1), (point, no_tpot))])
+    assert rows.splitlines()[2:] == [
+        "| 1E1P1D | 40 | 61.2 | 120 | 8 | 9.5 | 95% |",
+        "| 1E1P1D | 80 | — | 400 | — | — | 50% |",
+    ]
 
 
 def test_a_best_split_that_held_at_the_top_rate_is_a_lower_bound_and_ties_are_named():
@@ -104,4 +124,19 @@ def test_plan_runs_each_split_on_the_simulator_and_names_the_best(ray_session, t
         assert point["sim_steps"] > 0 and point["ttft_p90_ms"] > 0
         assert split["all_blocks_free"]
     assert data["best"] in ("1P1D", "2mixed") and f"best split: {data['best']}" in printed
-    assert (out / "plan.md").read_text().count("| 2mixed |") == 1
+    assert (out / "plan.md").read_text().count("| 2mixed |") == 2  # goodput and latency rows
+    assert (out / "plan.png").stat().st_size > 0
+
+
+@pytest.mark.slow  # a 3-instance launch: ~1 min on 2 busy cores
+def test_plan_runs_an_epd_split_with_images_on_the_multimodal_profile(ray_session, tmp_path):
+    out = tmp_path / "plan"
+    argv = ["--profile", "h100-llava-llama-3.1-8b", "--instances", "3", "--with-encoder",
+            "--splits", "1E1P1D", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "500", "--synthetic",
+            "--num-requests", "4", "--prompt-len", "16", "--output-len", "4",
+            "--image-fraction", "1", "--rates", "4", "--time-scale", "2", "--out", str(out)]  # fmt: skip
+    assert plan.main(argv) == 0
+    (split,) = json.loads((out / "plan.json").read_text())["splits"]
+    (point,) = split["points"]
+    assert split["name"] == "1E1P1D" and split["all_blocks_free"]
+    assert point["num_ok"] == point["num_requests"] == 4 and point["ttft_p50_ms"] > 0

@@ -38,6 +38,7 @@ from tests.cluster_utils import (
     instance_stats,
     live_object_ids,
     mixed_prompts,
+    random_image,
     start,
     until,
 )
@@ -158,6 +159,33 @@ def test_a_mixed_step_pays_its_fixed_cost_once():
     assert timing.step_s(StepShape(prefill, decode)) == pytest.approx(
         alone - min(c.prefill_base_s, c.decode_base_s)
     )
+
+
+def test_the_multimodal_profile_expands_an_image_to_its_towers_tokens_and_charges_its_encode():
+    profile = load_profile("h100-llava-llama-3.1-8b")  # the schema validates the file
+    assert profile.estimate and "ESTIMATE" in profile.description and profile.sources
+    assert profile.vision.num_image_tokens == 576  # CLIP ViT-L/14 at 336 px
+    assert profile.step.encoder_per_image_s > 0
+    model = "sim:h100-llava-llama-3.1-8b"
+    engine = {**ENGINE, "max_num_batched_tokens": 1024, "max_model_len": 1024}
+    llm = LLM(model, **engine)
+    image = {"prompt": "Describe <image> please.", "multi_modal_data": {"image": random_image(1)}}
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    (with_image,) = llm.generate([image], params)
+    image_id = read_model_info(resolve_model_dir(model)).image_token_id
+    assert with_image.prompt_token_ids.count(image_id) == 576
+    busy_s = llm.engine.runner.stats()["sim_modeled_busy_s"]
+    # The same prompt length as text only, on a fresh engine: no encoder time in its steps.
+    text = LLM(model, **engine)
+    text.generate([{"prompt_token_ids": with_image.prompt_token_ids[:1] * 585}], params)
+    encode_s = profile.step.encoder_base_s + profile.step.encoder_per_image_s
+    assert busy_s - text.engine.runner.stats()["sim_modeled_busy_s"] == pytest.approx(encode_s)
+
+
+def test_a_vision_shape_needs_a_llava_style_tokenizer_model(tmp_path):
+    model = _profile_file(tmp_path, vision={"image_size": 336, "patch_size": 14})
+    with pytest.raises(ValueError, match="must be a LLaVA-style model"):
+        resolve_model_dir(model)  # the 8B profile's tokenizer is the text-only tiny-llama
 
 
 def test_an_unknown_profile_names_the_builtin_ones():

@@ -65,6 +65,20 @@ class KVShape(BaseModel):
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
 
+class VisionShape(BaseModel):
+    """The modeled vision tower's input: what one image expands to in the prompt."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    image_size: int = Field(..., ge=1, description="input side in pixels (e.g. 336)")
+    patch_size: int = Field(..., ge=1, description="patch side in pixels (e.g. 14)")
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Placeholder tokens per image (LLaVA's default select strategy: the patches)."""
+        return (self.image_size // self.patch_size) ** 2
+
+
 class FitReport(BaseModel):
     """How well the coefficients reproduce the measured step times."""
 
@@ -92,6 +106,10 @@ class SimProfile(BaseModel):
     )  # fmt: skip
     step: StepCoefficients = Field(..., description="the step-time model")
     kv: KVShape = Field(..., description="the modeled KV cache shape")
+    vision: VisionShape | None = Field(
+        None, description="the modeled vision tower's image tokens (needs a LLaVA-style "
+        "tokenizer model; None: the tokenizer model's own)"
+    )  # fmt: skip
     eos_probability: float = Field(
         0.0, ge=0, lt=1, description="chance that a generated token is EOS (never with ignore_eos)"
     )
@@ -237,12 +255,29 @@ def write_sim_folder(profile: SimProfile, tokenizer_dir: str | Path, out: Path) 
     for item in Path(tokenizer_dir).iterdir():
         if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copyfile(item, out / item.name)
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
     if profile.max_model_len is not None:
-        config = json.loads((out / "config.json").read_text(encoding="utf-8"))
         text = config.get("text_config", config)  # multimodal configs nest the decoder's
         text["max_position_embeddings"] = profile.max_model_len
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    if profile.vision is not None:
+        _set_vision(config, profile)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     write_profile(profile, out / SIM_PROFILE_FILE)
+
+
+def _set_vision(config: dict, profile: SimProfile) -> None:
+    """The modeled tower's image size and patch in a LLaVA-style config, so that an image
+    expands to its token count. Pixels keep the tokenizer model's preprocessing (its
+    preprocessor_config.json): a simulated encoder never reads them."""
+    vision = config.get("vision_config")
+    if vision is None:
+        raise ValueError(
+            f"sim profile {profile.name!r} models a vision tower: its tokenizer "
+            f"{profile.tokenizer!r} must be a LLaVA-style model (e.g. preset:tiny-llava)"
+        )
+    vision["image_size"] = profile.vision.image_size
+    vision["patch_size"] = profile.vision.patch_size
+    config["image_seq_length"] = profile.vision.num_image_tokens
 
 
 def write_profile(profile: SimProfile, out: str | Path) -> None:
