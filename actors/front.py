@@ -320,6 +320,7 @@ class Front:
             flight.first_token_wall_s,
             time.time(),
             flight.stage_times,
+            flight.attempts - 1,
         )
         self._traces.append(trace)
 
