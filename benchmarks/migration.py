@@ -108,7 +108,7 @@ def run_one(args: argparse.Namespace, limit: int) -> dict[str, Any]:
             started = time.perf_counter()
             hit, killed = asyncio.run(stream_all(url, requests, cluster, args.kill_after_tokens))
             wall_s = time.perf_counter() - started
-            moves = {t.request_id.rsplit("-", 1)[0]: t.num_moves for t in cluster.front.traces()}
+            moves = {_client_id(t.request_id, tag): t.num_moves for t in cluster.front.traces()}
     finally:
         cluster.shutdown()
     return summarize(limit, calm, hit, moves, tag, killed, wall_s, load_avg)
@@ -146,6 +146,13 @@ def summarize(
         "load_avg_1m": round(load_avg, 2),
         "error_samples": sorted({r.error for r in hit if r.error})[:3],
     }
+
+
+def _client_id(engine_id: str, tag: str) -> str:
+    """The body's `request_id` (`{tag}-{i}`) in an engine request id like
+    `cmpl-{tag}-{i}-{hex}`."""
+    head = engine_id.rsplit("-", 1)[0]
+    return head[head.find(tag) :] if tag in head else head
 
 
 def _ms(seconds: float) -> float:
