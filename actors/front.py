@@ -7,9 +7,11 @@ this replica's requests there, one call per step, with the instance's load and i
 prefix-cache events. P hands a request to its D itself (actors/instance.py), so the first
 token comes from P and the rest from D, through no other process.
 
-Faults: an instance that dies (or restarts) before anything of a request reached the client
-is planned around, once; later, the request ends with finish_reason "error". Every instance
-holding state for a request is told when it is aborted or fails. The Front runs its Ray
+Faults: a request whose instance dies (or restarts, or leaves the pool, or reports that it
+cannot serve it) moves: it is planned again on live instances as its prompt plus every token
+its client got (routing/handoff.py `resume`), and the client's stream goes on from the next
+token. After `migration_limit` moves it ends with finish_reason "error". Every instance
+holding state for a request is told when it is aborted, fails or moves. The Front runs its Ray
 calls on an event loop of its own thread, so callers on any event loop (a gateway's, or a
 fresh `asyncio.run` per call) can stream; a gateway that serves on that loop itself
 (`run_coroutine`) streams with no hop between threads: outputs go straight to its streams.
@@ -42,13 +44,12 @@ from actors.replies import Replies
 from actors.streams import PULL_WAIT_S
 from engine.outputs import EngineCoreOutput
 from engine.request import Request
-from routing.handoff import max_new_tokens
+from routing.handoff import max_new_tokens, resume
 from routing.policy import Load, Plan, RouterConfig, RouterPolicy
 
 logger = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 5.0  # an instance's stats call, when the caller names no bound
-MAX_RETRIES = 1  # plans of a request after its instance died before it yielded anything
 PULL_TIMEOUT_S = PULL_WAIT_S + 5.0  # a pull unanswered this long: its instance is unhealthy
 RETRY_PULL_S = 0.5  # pause between pulls of an instance that failed
 MEMBERS_POLL_S = 1.0  # how often the pool's membership is re-read
@@ -77,6 +78,7 @@ class _Flight:
     request: Request  # this attempt's: its id is the one instances know (see `_submit`)
     sink: _Sink
     client_id: str  # the request id the caller knows
+    origin: Request = field(init=False)  # the first attempt's: the client's request
     plan: Plan | None = None
     sources: set[str] = field(default_factory=set)  # instances whose outputs count now
     # Where this replica's load accounting counts the request (see `_release`).
@@ -84,14 +86,19 @@ class _Flight:
     prefill_on: str | None = None  # set while P has not produced the first token
     decode_on: str | None = None
     early: list[EngineCoreOutput] = field(default_factory=list)  # D's, before P's token
-    yielded: bool = False  # something reached the client: no more re-planning
-    attempts: int = 0
+    # What reached the client: a move resumes after these tokens and this text.
+    sent_token_ids: list[int] = field(default_factory=list)
+    sent_text: str = ""
+    attempts: int = 0  # plans so far: the first, then one per move
     started_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     num_tokens: int = 0
     started_wall_s: float = field(default_factory=time.time)  # for the trace, like:
     first_token_wall_s: float | None = None
     stage_times: list[StageTimes] = field(default_factory=list)  # as instances let it go
+
+    def __post_init__(self) -> None:
+        self.origin = self.request
 
 
 class Front:
@@ -119,6 +126,7 @@ class Front:
         self._flights: dict[str, _Flight] = {}  # by the id instances know
         self._wire_ids: dict[str, str] = {}  # the caller's request id -> that id
         self.num_started = 0  # requests this replica has served (or is serving)
+        self.num_moves = 0  # attempts planned again after their instance was lost
         # D instance id -> requests planned onto it that are still on their P
         self._promised: Counter[str] = Counter()
         # Batches for callers, by their event loop, until the end of this loop iteration
@@ -231,12 +239,12 @@ class Front:
 
     def _submit(self, flight: _Flight, plan: Plan | None = None) -> None:
         """Plan the request (unless given its group's `plan`) and send it to its instances.
-        Another attempt goes under a new id: an instance that never saw the first one may
-        still hold its abort."""
+        Another attempt resumes after what the client got, under a new id: an instance that
+        never saw the earlier one may still hold its abort."""
         flight.attempts += 1
         if flight.attempts > 1:
-            request = copy.copy(flight.request)
-            request.request_id = f"{flight.client_id}~{flight.attempts}"
+            rid = f"{flight.client_id}~{flight.attempts}"
+            request = resume(flight.origin, rid, flight.sent_token_ids, flight.sent_text)
             del self._flights[flight.request.request_id]
             flight.request = request
             self._flights[request.request_id] = flight
@@ -317,7 +325,7 @@ class Front:
             self._latencies.append((now, flight.first_token_s - flight.started_s, tpot))
 
     def _trace(self, flight: _Flight) -> None:
-        request = flight.request
+        request = flight.origin
         trace = RequestTrace(
             flight.client_id,
             tuple(request.prompt_token_ids[:TRACE_PROMPT_HEAD]),
@@ -327,6 +335,7 @@ class Front:
             flight.first_token_wall_s,
             time.time(),
             flight.stage_times,
+            flight.attempts - 1,
         )
         self._traces.append(trace)
 
@@ -339,8 +348,18 @@ class Front:
         return ttft, tpot
 
     def _deliver(self, flight: _Flight, batch: list[EngineCoreOutput]) -> None:
+        for out in batch:
+            flight.sent_token_ids += out.new_token_ids
+            flight.sent_text += out.new_text
         if flight.request.request_id != flight.client_id:  # a later attempt's outputs
-            batch = [dataclasses.replace(o, request_id=flight.client_id) for o in batch]
+            num_prompt = flight.origin.num_prompt_tokens  # a resumed prompt's cache is no hit
+            batch = [
+                dataclasses.replace(
+                    o, request_id=flight.client_id,
+                    num_cached_tokens=min(o.num_cached_tokens, num_prompt),
+                )
+                for o in batch
+            ]  # fmt: skip
         self._send(flight.sink, flight.client_id, batch)
 
     def _send(self, sink: _Sink, client_id: str, batch: list[EngineCoreOutput]) -> None:
@@ -387,10 +406,16 @@ class Front:
     # ---- data plane --------------------------------------------------------------------
     def _dispatch(self, instance_id: str, outputs: list[EngineCoreOutput]) -> None:
         batches: dict[str, list[EngineCoreOutput]] = {}
+        moving: list[tuple[_Flight, str]] = []
         for out in outputs:
             flight = self._flights.get(out.request_id)
             if flight is None or instance_id not in flight.sources:
                 continue  # aborted, or from an attempt given up
+            if out.unavailable and self._may_move(flight):  # its tokens go out, then it moves
+                moving.append((flight, f"instance {instance_id}: {out.error}"))
+                if not out.new_token_ids:
+                    continue
+                out = dataclasses.replace(out, finish_reason=None, error=None, unavailable=False)
             batch = self._on_output(flight, instance_id, out)
             if batch:
                 batches.setdefault(out.request_id, []).extend(batch)
@@ -406,6 +431,8 @@ class Front:
                 self._finish(flight, batch)
             else:
                 self._deliver(flight, batch)
+        for flight, why in moving:
+            self._move(flight, why)
 
     def _on_output(
         self, flight: _Flight, instance_id: str, out: EngineCoreOutput
@@ -428,27 +455,37 @@ class Front:
                 plan.decode_id, request.prompt_token_ids, _images(request), request.cache_salt
             )
             batch, flight.early = [out, *flight.early], []
-            flight.yielded = True
             return batch
-        flight.yielded = flight.yielded or bool(out.new_token_ids)
         return [out]
 
     def _instance_lost(self, instance_id: str, reason: str) -> None:
-        """The instance died or restarted: its requests are re-planned (nothing reached
-        the client yet) or fail; the other holders drop their state."""
+        """The instance died, restarted or left: its requests move (or, moved too often,
+        fail); the other holders drop their state."""
         self.policy.mark_dead(instance_id)
         for flight in [f for f in self._flights.values() if instance_id in f.sources]:
-            rid = flight.request.request_id
-            self._release(flight)
-            self._abort_on([(flight.plan, rid)])
-            if not flight.yielded and flight.attempts <= MAX_RETRIES:
-                logger.warning(
-                    "request %r: instance %s %s; planning it again", rid, instance_id, reason
-                )
-                self._submit(flight)
-            else:
-                message = f"instance {instance_id} {reason} serving the request"
-                self._finish(flight, [_error(rid, message, unavailable=True)])
+            self._move(flight, f"instance {instance_id} {reason}")
+
+    def _may_move(self, flight: _Flight) -> bool:
+        return flight.attempts <= self.config.migration_limit
+
+    def _move(self, flight: _Flight, why: str) -> None:
+        """This attempt is over (`why`): every instance of its plan drops it, and the
+        request is planned again after what its client got, or fails once it has moved
+        `migration_limit` times."""
+        rid = flight.request.request_id
+        self._release(flight)
+        self._abort_on([(flight.plan, rid)])
+        if not self._may_move(flight):
+            message = f"{why} serving the request (moved {flight.attempts - 1} times)"
+            self._finish(flight, [_error(rid, message, unavailable=True)])
+            return
+        logger.warning(
+            "request %r: %s after %d tokens; moving it (%d of at most %d moves)",
+            flight.client_id, why, len(flight.sent_token_ids), flight.attempts,
+            self.config.migration_limit,
+        )  # fmt: skip
+        self.num_moves += 1
+        self._submit(flight)
 
     async def _pull_loop(self, instance_id: str) -> None:
         """Read one instance for as long as it is a member."""

@@ -284,7 +284,7 @@ class InstanceActor:
             if not self._paused.is_set() and core.has_work() and not self._step_once():
                 time.sleep(IDLE_YIELD_S)
             self._metrics.maybe_record(self._stats)
-        self._fail_all("instance is shutting down")
+        self._fail_all("instance is shutting down", unavailable=True)
 
     def _step_once(self) -> bool:
         """One engine step and the delivery of its outputs; True when a model ran. (A method
@@ -415,11 +415,14 @@ class InstanceActor:
             handle = self._decode_handle(decode_id)
         except ValueError as exc:
             self._inbox.put(("abort", [out.request_id]))
-            error = dataclasses.replace(out, finish_reason="error", error=str(exc))
+            error = dataclasses.replace(
+                out, finish_reason="error", error=str(exc), unavailable=True
+            )
             self._streams.put(error, stage_times)
             return
         consumer_id = self._streams.consumer_of(out.request_id)
-        handle.submit.remote(for_decode(request, out.new_token_ids[0], params), Route(consumer_id))
+        decode = for_decode(request, out.new_token_ids[0], params, out.new_text)
+        handle.submit.remote(decode, Route(consumer_id))
         self._streams.put(dataclasses.replace(out, finish_reason=None), stage_times)
         self._streams.close(out.request_id)  # D streams the rest; P holds KV until D's ack
 
@@ -432,12 +435,16 @@ class InstanceActor:
                 raise ValueError(f"decode instance {decode_id} is gone") from None
         return handle
 
-    def _fail_all(self, message: str) -> None:
-        """Finish every request with an error (after an internal failure or at shutdown)."""
+    def _fail_all(self, message: str, unavailable: bool = False) -> None:
+        """Finish every request with an error (after an internal failure, or `unavailable`
+        at shutdown: another instance may serve them)."""
         request_ids = self.core.fail_all()
         self._clock.forget(request_ids)
         for request_id in request_ids:
-            self._deliver(EngineCoreOutput(request_id, [], finish_reason="error", error=message))
+            out = EngineCoreOutput(
+                request_id, [], finish_reason="error", error=message, unavailable=unavailable
+            )
+            self._deliver(out)
 
     def _publish_stats(self) -> bool:
         """A snapshot read by `stats()` and pulls (the step thread alone touches the

@@ -24,6 +24,7 @@ from engine.config import (
     SchedulingPolicy,
     kv_sizing_fields_set,
 )
+from routing.policy import DEFAULT_MIGRATION_LIMIT
 
 ROLES = ("encoder", "prefill", "decode", "mixed")
 AUTOSCALED_ROLES = ("prefill", "decode")
@@ -194,6 +195,10 @@ class RouterSettings(_Strict):
     stream_idle_timeout_s: float = Field(
         60.0, gt=0, description="abort a request whose output nobody read for this long"
     )
+    migration_limit: int = Field(
+        DEFAULT_MIGRATION_LIMIT, ge=0, le=100, description="times a stream whose instance died "
+        "moves to live instances and goes on (prompt + tokens so far) before it ends in an error",
+    )  # fmt: skip
 
 
 class GatewaySettings(_Strict):

@@ -91,16 +91,26 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError (and changes nothing) when it cannot be served."""
         self._validate(request)
+        self._detokenizers[request.request_id] = self._detokenizer(request)
+        self.scheduler.add_request(request)
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
+        """The request's detokenizer; one continuing earlier output whose text the client
+        got (`prior_output_text`) goes on from that text."""
         params = request.sampling_params
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+        prompt, num_prior = request.prompt_token_ids, request.num_prior_output_tokens
+        sent_text = request.prior_output_text if num_prior else None
+        detok = IncrementalDetokenizer(
             self.tokenizer,
-            request.prompt_token_ids,
+            prompt if sent_text is None else prompt[:-num_prior],
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
-        self.scheduler.add_request(request)
+        if sent_text is not None:
+            detok.go_on_from(prompt[-num_prior:], sent_text)
+        return detok
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort in any state; a producer also stops holding the KV for a remote reader."""

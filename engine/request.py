@@ -95,6 +95,7 @@ class Request:
         kv_transfer_params: dict[str, Any] | None = None,
         arrival_time: float | None = None,
         num_prior_output_tokens: int = 0,
+        prior_output_text: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> None:
@@ -110,6 +111,11 @@ class Request:
         # The last this-many prompt tokens were generated before this instance took the
         # request over (a D continues after P's first token): penalties count them as output.
         self.num_prior_output_tokens = num_prior_output_tokens
+        # The text of those tokens that reached the client (None: unknown, they are decoded
+        # as prompt context): the detokenizer goes on from it, so that text held back on
+        # the earlier instance (a possible stop string) is not lost and a stop string
+        # across the boundary is found.
+        self.prior_output_text = prior_output_text
         # Requests share prefix blocks only when their salts are equal (None: unsalted).
         self.cache_salt = cache_salt
         self.priority = priority  # under the priority policy: lower is scheduled first

@@ -62,8 +62,9 @@ class RemoteKV:
         )
         params = self._finish(request)
         return EngineCoreOutput(
-            rid, [], finish_reason="error", error=request.error, kv_transfer_params=params
-        )
+            rid, [], finish_reason="error", error=request.error, kv_transfer_params=params,
+            unavailable=True,  # the KV's producer is gone or late: elsewhere it may succeed
+        )  # fmt: skip
 
     def _may_load_remote_kv(self, request: Request, has_blocks: bool) -> bool:
         return (

@@ -335,6 +335,18 @@ class IncrementalDetokenizer:
                 return length
         return 0
 
+    def go_on_from(self, token_ids: Sequence[int], sent_text: str) -> None:
+        """Continue a stream whose first output `token_ids` were detokenized elsewhere and
+        whose client got `sent_text` of their text: that text counts as output (a stop string
+        that ends later is found across it), and what of it the client has not got (held
+        back there) comes with the next delta. Fed one token at a time, as steps fed them
+        there, so that a character split over tokens is cut where it was."""
+        for token_id in token_ids:
+            self._ids.append(token_id)
+            self.output_text += self._decode_new_text(final=False)
+        text = self.output_text
+        self._num_emitted_chars = len(sent_text) if text.startswith(sent_text) else len(text)
+
     def update(self, new_token_ids: Iterable[int], final: bool = False) -> tuple[str, str | None]:
         """Feed this step's new ids; returns (text delta, the stop string hit or None).
 

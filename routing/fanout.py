@@ -34,6 +34,7 @@ def _child(request: Request, index: int) -> Request:
         kv_transfer_params=request.kv_transfer_params,
         arrival_time=request.arrival_time,
         num_prior_output_tokens=request.num_prior_output_tokens,
+        prior_output_text=request.prior_output_text,
         cache_salt=request.cache_salt,
         priority=request.priority,
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from engine.kv_cache_manager import hash_block_tokens, root_hash
 
 ROLE_ENCODER, ROLE_PREFILL, ROLE_DECODE, ROLE_MIXED = "encoder", "prefill", "decode", "mixed"
+DEFAULT_MIGRATION_LIMIT = 3  # moves of one request to other instances after losing its own
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class RouterConfig:
     # Prefill on D when it already caches at least this fraction of the prompt (1.0: never).
     decode_prefix_fraction: float = 0.8
     max_tracked_blocks: int = 65536  # per instance, for prefix-aware routing
+    # A request whose instance is lost moves to others at most this often, then fails.
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
 
 
 @dataclass

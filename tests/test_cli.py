@@ -68,6 +68,19 @@ def test_gateway_and_ray_flags_land_in_their_sections():
     assert config.engine_settings("mixed").max_model_len == 512
 
 
+def test_migration_limit_flag_and_yaml_reach_the_router(tmp_path):
+    from cluster.control.launch import _router_config
+    from routing.policy import DEFAULT_MIGRATION_LIMIT
+
+    assert serve_config().router.migration_limit == DEFAULT_MIGRATION_LIMIT == 3
+    assert _router_config(serve_config("--migration-limit", "0")).migration_limit == 0
+    path = tmp_path / "t.yaml"
+    path.write_text("mixed: {count: 1}\nrouter: {migration_limit: 5}\n")
+    assert serve_config("--config", str(path)).router.migration_limit == 5
+    with pytest.raises(ValueError, match="migration_limit"):
+        serve_config("--migration-limit", "-1")
+
+
 # ---- errors are one line, exit 2 -----------------------------------------------------------
 
 

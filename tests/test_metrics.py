@@ -25,7 +25,10 @@ RAY_EXPORT_TIMEOUT_S = 60.0  # Ray's agent exports what workers recorded every f
 
 @pytest.fixture(scope="module")
 def cluster(ray_session, model_dir):
-    with start(model_dir, prefill=1, decode=1, gateway={"served_model_name": MODEL}) as c:
+    """With migration_limit 0: a request whose instance dies fails (the 503 below) instead
+    of moving (tests/test_cluster_faults.py)."""
+    gateway, router = {"served_model_name": MODEL}, {"migration_limit": 0}
+    with start(model_dir, prefill=1, decode=1, gateway=gateway, router=router) as c:
         yield c
 
 
@@ -195,8 +198,8 @@ def test_ray_metrics_export(cluster, baseline):
 
 
 def test_dead_instance_gives_503_and_cluster_view_is_bounded(base_url, cluster, baseline):
-    """D dies while a non-streaming request is parked on it: the client gets 503 with
-    Retry-After; meanwhile /v1/cluster answers, naming D unreachable, without waiting for
+    """D dies while a non-streaming request is parked on it, with no move left: the client
+    gets 503 with Retry-After; meanwhile /v1/cluster answers, naming D unreachable, without waiting for
     its restart."""
     decode_id = _id(cluster, "decode")
     decode = handle(cluster, "decode")

@@ -389,4 +389,5 @@ def _router_config(config: ClusterConfig) -> RouterConfig:
         prefix_slack_tokens=r.prefix_slack_tokens,
         disagg_min_prompt_tokens=r.disagg_min_prompt_tokens,
         decode_prefix_fraction=r.decode_prefix_fraction,
+        migration_limit=r.migration_limit,
     )

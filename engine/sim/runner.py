@@ -49,7 +49,9 @@ class SimRequestState:
     req_id: str
     num_tokens: int  # prompt, then every token sampled here
     history: int  # rolling hash of those tokens
-    num_output_tokens: int  # sampled here plus those before (min_tokens counts them)
+    # sampled here: min_tokens is what remains of the client's once earlier tokens were
+    # generated elsewhere (routing/handoff.py), as the real scheduler's check_stop counts
+    num_output_tokens: int
     mm_features: list[MultiModalFeature]
     sampling_params: SamplingParams
     num_computed_tokens: int
@@ -113,7 +115,7 @@ class SimRunner:
             req_id=new.req_id,
             num_tokens=len(new.prompt_token_ids),
             history=history_hash(new.prompt_token_ids, params.seed),
-            num_output_tokens=new.num_prior_output_tokens,
+            num_output_tokens=0,
             mm_features=new.mm_features,
             sampling_params=params,
             num_computed_tokens=new.num_computed_tokens,
