@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0  # placement (a node may have to be added) and model load
 DRAIN_TIMEOUT_S = 600.0
 SERVING_ROLES = ("prefill", "decode", "mixed")
+STATS_TIMEOUT_S = 5.0  # a planner round's stats call per instance
 LATENCY_FRESH_S = 30.0  # replicas report every few seconds; older reports are dropped
 
 
@@ -64,6 +65,7 @@ class PoolController:
         self._planner = Planner(self.config.autoscale) if self.config.autoscale else None
         self._planner_task: asyncio.Task | None = None
         self.decisions: Counter[tuple[str, str]] = Counter()  # (role, up|down) -> count
+        self._round_s: float | None = None  # the planner's last round: stats and decisions
         # gateway replica -> (when, TTFT p90 ms, TPOT p90 ms) it last reported
         self._latencies: dict[str, tuple[float, float | None, float | None]] = {}
 
@@ -83,7 +85,8 @@ class PoolController:
         return dict(self._members)
 
     async def planner_state(self) -> dict[str, Any]:
-        """Desired count per role (the planner's, else the actual), and decisions made."""
+        """Desired count per role (the planner's, else the actual), decisions made, and how
+        long the planner's last round took to read the stats and decide (None: none yet)."""
         actual = Counter(self._members.values())
         desired = dict(actual)
         if self._planner is not None:
@@ -91,6 +94,7 @@ class PoolController:
         return {
             "desired": {r: desired.get(r, 0) for r in ROLES},
             "decisions": [[r, d, n] for (r, d), n in self.decisions.items()],
+            "round_s": self._round_s,
         }
 
     async def report_latency(
@@ -238,9 +242,11 @@ class PoolController:
                 logger.exception("planner round failed")
 
     async def _plan_once(self) -> None:
+        started = time.monotonic()
         stats = await self._stats()
-        signals = signals_from_stats(stats, *self._latency_p90s())
-        for decision in self._planner.decide(signals):
+        decisions = self._planner.decide(signals_from_stats(stats, *self._latency_p90s()))
+        self._round_s = time.monotonic() - started  # reading and deciding, not scaling
+        for decision in decisions:
             if decision.desired == decision.current:
                 continue
             direction = "up" if decision.desired > decision.current else "down"
@@ -252,15 +258,18 @@ class PoolController:
             await self.scale(decision.role, decision.desired)
 
     async def _stats(self) -> list[dict[str, Any]]:
-        results = []
-        for iid, role in list(self._members.items()):
-            handle = self._actor(iid)
-            try:
-                stats = await asyncio.wait_for(handle.stats.remote(), 5) if handle else {}
-                results.append({**stats, "role": role, "healthy": bool(stats)})
-            except (ray.exceptions.RayError, asyncio.TimeoutError):
-                results.append({"id": iid, "role": role, "healthy": False})
-        return results
+        """Every member's stats, asked of all at once (a round costs one call's time, not
+        one per instance); one that fails or is slower than STATS_TIMEOUT_S is unhealthy."""
+        members = list(self._members.items())
+        return list(await asyncio.gather(*(self._instance_stats(i, r) for i, r in members)))
+
+    async def _instance_stats(self, iid: str, role: str) -> dict[str, Any]:
+        handle = self._actor(iid)
+        try:
+            stats = await asyncio.wait_for(handle.stats.remote(), STATS_TIMEOUT_S) if handle else {}
+        except (ray.exceptions.RayError, asyncio.TimeoutError):
+            return {"id": iid, "role": role, "healthy": False}
+        return {**stats, "role": role, "healthy": bool(stats)}
 
     # ---- helpers -----------------------------------------------------------------------
     def _actor(self, instance_id: str) -> ray.actor.ActorHandle | None:
