@@ -431,7 +431,8 @@ def _py_spy(pid: int, out: str | None, label: str) -> subprocess.Popen | None:
 
 def _stop(proc: subprocess.Popen) -> None:
     """Ctrl-C the serve process group (it shuts its cluster down); kill what is left."""
-    os.killpg(proc.pid, signal.SIGINT)
+    with contextlib.suppress(ProcessLookupError):  # it exited already (e.g. a failed start)
+        os.killpg(proc.pid, signal.SIGINT)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=60)
     with contextlib.suppress(ProcessLookupError):
