@@ -444,11 +444,7 @@ class Front:
             self._pulls_in_flight.add(ref_id)
             self._recent_pulls.append((time.monotonic(), ref_id))
             try:
-                reply: PullReply = await asyncio.wait_for(ref, PULL_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                logger.warning("instance %s does not answer; routing around it", instance_id)
-                self.policy.mark_dead(instance_id)
-                continue
+                reply: PullReply = await self._reply(instance_id, ref)
             except ray.exceptions.RayActorError:
                 if self.policy.instances[instance_id].healthy or epoch is not None:
                     self._instance_lost(instance_id, "died")
@@ -462,6 +458,18 @@ class Front:
                 self._instance_lost(instance_id, "restarted")
             epoch, cursor = events.epoch, events.cursor
             self._apply(instance_id, reply)
+
+    async def _reply(self, instance_id: str, ref: ray.ObjectRef) -> PullReply:
+        """A pull's reply. One that takes longer than PULL_TIMEOUT_S marks its instance
+        unhealthy (no new requests go there) and is still waited for: the instance handed
+        its outputs to that reply, so dropping it would leave its streams waiting forever."""
+        reply = ref.as_future()
+        try:
+            return await asyncio.wait_for(asyncio.shield(reply), PULL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            logger.warning("instance %s does not answer; routing around it", instance_id)
+            self.policy.mark_dead(instance_id)
+        return await reply
 
     def _apply(self, instance_id: str, reply: PullReply) -> None:
         policy = self.policy
