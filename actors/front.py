@@ -463,7 +463,7 @@ class Front:
         """A pull's reply. One that takes longer than PULL_TIMEOUT_S marks its instance
         unhealthy (no new requests go there) and is still waited for: the instance handed
         its outputs to that reply, so dropping it would leave its streams waiting forever."""
-        reply = ref.as_future()
+        reply = asyncio.wrap_future(ref.future())
         try:
             return await asyncio.wait_for(asyncio.shield(reply), PULL_TIMEOUT_S)
         except asyncio.TimeoutError:
