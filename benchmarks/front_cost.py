@@ -14,6 +14,16 @@ same client, so both sides are measured the same way:
     python -m benchmarks.front_cost --checkout /tmp/before --label before --label after
 
 prints one table per side and the ratios after ÷ before.
+
+`--trace` draws the load's requests (prompt and output lengths) from a trace instead of one
+fixed prompt, and the run then checks what a scale run must show (benchmarks/configs/
+scale-32.yaml): every request streamed exactly the tokens it asked for, the peak of streams
+open at once, every instance back to all blocks free with nothing held, the simulator's
+overrun share and tokens per second in modeled time, the planner's round time, and how long
+the cluster took to come up:
+
+    python -m benchmarks.front_cost --config benchmarks/configs/scale-32.yaml --trace \
+        --concurrency 1024 --requests-each 1 --token-scale 0.25 --json /tmp/scale-32.json
 """
 
 from __future__ import annotations
@@ -21,8 +31,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -30,10 +42,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from benchmarks.targets import REPO_ROOT, free_port
+from benchmarks.targets import REPO_ROOT, Target, free_port, url_target
+from benchmarks.workload import LengthScaling, default_trace, request_body, trace_workload
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 STREAM_TIMEOUT_S = 300.0  # a stream silent this long is lost
@@ -60,9 +74,13 @@ class Side:
     idle_pct: dict[str, float] = field(default_factory=dict)  # group -> % of one core, idle
     pulls_per_s: dict[str, float | None] = field(default_factory=dict)  # "idle", "load"
     instance_pss_mb: list[float] = field(default_factory=list)
+    front_pss_mb: list[float] = field(default_factory=list)  # each front process, after the load
     num_instances: int = 0
+    ready_s: float = 0.0  # serve started -> the gateway answers (every instance up)
+    loadavg: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # by phase
+    checks: dict[str, Any] = field(default_factory=dict)  # of a --trace load: scale_checks
     load_s: float = 0.0  # wall time of the load
-    num_lost: int = 0  # streams of the load that went silent (see `_one`)
+    num_lost: int = 0  # streams of the load that failed or went silent (`Load.errors`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -137,8 +155,9 @@ def _pss_mb(pid: int) -> float | None:
     return None
 
 
-def instance_pss_mb(root: int) -> list[float]:
-    pids = [p for p in _tree(root) if _group(p, root) == "instance"]
+def group_pss_mb(root: int, group: str) -> list[float]:
+    """PSS of each process of `group` in the serve tree."""
+    pids = [p for p in _tree(root) if _group(p, root) == group]
     return [m for m in map(_pss_mb, pids) if m is not None]
 
 
@@ -160,53 +179,101 @@ def cpu_ms_between(before: dict, after: dict) -> dict[str, float]:
 
 
 # ---- load ----------------------------------------------------------------------------------
-async def _one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[float]]:
-    """Streamed tokens and the arrival time of each content chunk (from the send); -1 tokens
-    for a stream that went silent for the client's timeout. A kept-alive connection that the
-    server closed as the request went out is retried once on a new one."""
-    try:
-        return await _stream_one(client, url, body)
-    except (httpx.ReadError, httpx.RemoteProtocolError):
-        return await _stream_one(client, url, body)
-    except httpx.ReadTimeout:  # a stream that stopped: lost, counted (`Side.num_lost`)
-        return -1, []
+@dataclass
+class Load:
+    """What one closed-loop load streamed."""
+
+    num_requests: int
+    tokens: int = 0
+    arrivals: list[list[float]] = field(default_factory=list)  # per request, from its send
+    num_complete: int = 0  # requests that streamed exactly the `max_tokens` they asked for
+    errors: list[str] = field(default_factory=list)
+    open_streams: int = 0  # requests with a response open now
+    peak_streams: int = 0  # ... at most, over the load
+    wall_s: float = 0.0
 
 
-async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[float]]:
-    start = time.perf_counter()
+async def _one(client: httpx.AsyncClient, url: str, body: dict, load: Load) -> None:
+    """Stream one request into `load`. A kept-alive connection that the server closed as the
+    request went out is retried once on a new one; other failures are recorded."""
     arrivals: list[float] = []
+    try:
+        try:
+            tokens = await _stream_one(client, url, body, load, arrivals)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            if arrivals:
+                raise
+            tokens = await _stream_one(client, url, body, load, arrivals)
+    except httpx.HTTPError as exc:
+        load.errors.append(f"{type(exc).__name__}: {exc}")
+        return
+    load.tokens += tokens
+    load.arrivals.append(arrivals)
+    load.num_complete += tokens == body["max_tokens"]
+
+
+async def _stream_one(
+    client: httpx.AsyncClient, url: str, body: dict, load: Load, arrivals: list[float]
+) -> int:
+    """Streamed tokens (from the usage chunk); each content chunk's arrival time (from the
+    send) goes to `arrivals`."""
+    start = time.perf_counter()
     tokens = 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                arrivals.append(time.perf_counter() - start)
-    return tokens, arrivals
+        load.open_streams += 1
+        load.peak_streams = max(load.peak_streams, load.open_streams)
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices") or ():
+                    if choice.get("finish_reason") == "error":
+                        load.errors.append(choice.get("error") or "the request failed")
+                    if choice.get("text"):
+                        arrivals.append(time.perf_counter() - start)
+        finally:
+            load.open_streams -= 1
+    return tokens
 
 
-async def run_load(
-    url: str, model: str, concurrency: int, requests_each: int, max_tokens: int,
-    timeout_s: float = STREAM_TIMEOUT_S,
-) -> tuple[int, list[list[float]], int]:  # fmt: skip
-    """(tokens streamed, each stream's chunk arrivals, streams lost)."""
+async def run_load(url: str, bodies: list[dict], concurrency: int, timeout_s: float) -> Load:
+    """Closed loop: `concurrency` clients, each sending the next of `bodies` once its last
+    answer ended. `timeout_s`: the longest wait for any byte of an answer."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    load, todo = Load(len(bodies)), iter(bodies)
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+
+        async def client_loop() -> None:
+            for body in todo:  # shared: each client takes the next body
+                await _one(client, url, body, load)
+
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    load.wall_s = time.perf_counter() - start
+    return load
+
+
+def fixed_bodies(model: str, num: int, max_tokens: int) -> list[dict]:
     body = {"model": model, "prompt": "Tell me about the sea and the ships on it",
             "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    return [body] * num
 
-        async def worker() -> list[tuple[int, list[float]]]:
-            return [await _one(client, url, body) for _ in range(requests_each)]
 
-        results = [r for rs in await asyncio.gather(*(worker() for _ in range(concurrency)))
-                   for r in rs]  # fmt: skip
-    lost = sum(t < 0 for t, _ in results)
-    return sum(max(t, 0) for t, _ in results), [a for _, a in results], lost
+def trace_bodies(args: argparse.Namespace, target: Target, num: int) -> list[dict]:
+    """`num` streaming bodies with the prompt and output lengths of the trace's requests
+    from `--window-start-s` (random prompt token ids, `ignore_eos`: exact lengths)."""
+    lengths = LengthScaling(
+        args.token_scale, max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len
+    )
+    workload = trace_workload(args.trace, lengths, args.window_start_s, num)
+    rng = random.Random(args.seed)
+    specs = workload.fit(target.max_model_len).requests
+    return [request_body(spec, target.model, rng)[1] for spec in specs]
 
 
 def _latency(arrivals: list[list[float]], concurrency: int) -> dict[str, float]:
@@ -244,6 +311,72 @@ def measure_idle(
     return pct, _rate(pulls_before, pulls_after, elapsed)
 
 
+# ---- after a load: what a scale run must show ---------------------------------------------
+HELD_KEYS = ("num_running", "num_waiting", "num_deferred", "num_pending_transfers", "num_streams")
+
+
+def cluster_view(url: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{url}/v1/cluster", timeout=60).json()["instances"]
+
+
+def settle(url: str, timeout_s: float) -> tuple[list[dict[str, Any]], float | None]:
+    """Wait until every instance holds nothing (all blocks free, no request, stream or
+    transfer); the last view, and the seconds that took (None: not within `timeout_s`)."""
+    start = time.monotonic()
+    while True:
+        view = cluster_view(url)
+        if all(_holds_nothing(i) for i in view):
+            return view, time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            return view, None
+        time.sleep(0.5)
+
+
+def _holds_nothing(instance: dict[str, Any]) -> bool:
+    free = instance["num_blocks_free"] == instance["num_blocks_total"]
+    return free and instance["reachable"] and not any(instance.get(k) for k in HELD_KEYS)
+
+
+def sim_steps(view: list[dict[str, Any]]) -> tuple[int, int]:
+    """(modeled steps, steps that overran their modeled time) over every instance."""
+    return (sum(i.get("sim_steps", 0) for i in view),
+            sum(i.get("sim_steps_overrun", 0) for i in view))  # fmt: skip
+
+
+def planner_round_s(url: str) -> float | None:
+    """The planner's last round time (None: no planner has run a round)."""
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
+        if line.startswith("pdcluster_planner_round_seconds "):
+            return float(line.split()[1])
+    return None
+
+
+def scale_checks(
+    url: str, load: Load, view_before: list[dict[str, Any]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Completeness, leaks and the simulator's figures of the load that just ran."""
+    view, settle_s = settle(url, args.settle_timeout_s)
+    steps = [a - b for a, b in zip(sim_steps(view), sim_steps(view_before))]
+    time_scale = max((i.get("sim_time_scale", 0.0) for i in view), default=0.0)
+    return {
+        "num_requests": load.num_requests,
+        "num_complete": load.num_complete,
+        "num_errors": len(load.errors),
+        "errors_first": load.errors[:5],
+        "peak_streams": load.peak_streams,
+        "wall_s": load.wall_s,
+        "tokens_per_s_wall": load.tokens / max(load.wall_s, 1e-9),
+        "sim_time_scale": time_scale or None,
+        "tokens_per_s_modeled": load.tokens * time_scale / max(load.wall_s, 1e-9) or None,
+        "sim_steps": steps[0],
+        "sim_overrun_share": steps[1] / steps[0] if steps[0] else None,
+        "all_blocks_free": settle_s is not None,
+        "settle_s": settle_s,
+        "instances_holding": [i["id"] for i in view if not _holds_nothing(i)],
+        "planner_round_s": planner_round_s(url),
+    }
+
+
 # ---- one side --------------------------------------------------------------------------------
 def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
     port = free_port()
@@ -251,37 +384,51 @@ def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", args.config,
            "--port", str(port)]  # fmt: skip
     log = open(f"/tmp/front_cost-{label}.log", "wb")  # noqa: SIM115 - the server's, while it runs
+    started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    timeout_s = args.stream_timeout_s
     try:
-        model = _wait_ready(url, proc, args.ready_timeout_s)
-        asyncio.run(run_load(url, model, 4, 2, 8))  # warm up every path
+        target = _wait_ready(url, proc, args.ready_timeout_s)
+        ready_s = time.monotonic() - started
+        model = target.model
+        asyncio.run(run_load(url, fixed_bodies(model, 8, 8), 4, timeout_s))  # warm up every path
         latency = {}
         for concurrency in (1, 16):
-            _, arrivals, _ = asyncio.run(run_load(url, model, concurrency, 3, 16))
-            latency.update(_latency(arrivals, concurrency))
+            probe = asyncio.run(run_load(url, fixed_bodies(model, 3 * concurrency, 16),
+                                         concurrency, timeout_s))  # fmt: skip
+            latency.update(_latency(probe.arrivals, concurrency))
+        loadavg = {"idle": os.getloadavg()}
         idle_pct, idle_pulls = measure_idle(url, proc.pid, args.idle_s, args.idle_settle_s)
         num_instances, pulls_before = num_pulls(url)
+        num = args.concurrency * args.requests_each
+        bodies = (trace_bodies(args, target, num) if args.trace
+                  else fixed_bodies(model, num, args.max_tokens))  # fmt: skip
+        view_before = cluster_view(url)
         spy = _py_spy(proc.pid, args.py_spy, label)
+        loadavg["load_start"] = os.getloadavg()
         before, start = snapshot(proc.pid), time.monotonic()
-        tokens, _, lost = asyncio.run(
-            run_load(url, model, args.concurrency, args.requests_each, args.max_tokens,
-                     args.stream_timeout_s)
-        )  # fmt: skip
+        load = asyncio.run(run_load(url, bodies, args.concurrency, timeout_s))
         after, elapsed = snapshot(proc.pid), time.monotonic() - start
+        loadavg["load_end"] = os.getloadavg()
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its profile and exits
             spy.wait(timeout=60)
         _, pulls_after = num_pulls(url)
-        side = Side(label, cpu_ms_between(before, after), tokens, latency)
-        side.num_requests = args.concurrency * args.requests_each
+        side = Side(label, cpu_ms_between(before, after), load.tokens, latency)
+        side.num_requests = load.num_requests
         side.idle_pct = idle_pct
         side.pulls_per_s = {"idle": idle_pulls, "load": _rate(pulls_before, pulls_after, elapsed)}
-        side.instance_pss_mb = instance_pss_mb(proc.pid)
+        side.instance_pss_mb = group_pss_mb(proc.pid, "instance")
+        side.front_pss_mb = group_pss_mb(proc.pid, "front")
         side.num_instances = num_instances
         side.load_s = elapsed
-        side.num_lost = lost
+        side.num_lost = len(load.errors)
+        side.ready_s = ready_s
+        side.loadavg = loadavg
+        if args.trace:
+            side.checks = scale_checks(url, load, view_before, args)
         return side
     finally:
         _stop(proc)
@@ -300,7 +447,8 @@ def _py_spy(pid: int, out: str | None, label: str) -> subprocess.Popen | None:
 
 def _stop(proc: subprocess.Popen) -> None:
     """Ctrl-C the serve process group (it shuts its cluster down); kill what is left."""
-    os.killpg(proc.pid, signal.SIGINT)
+    with contextlib.suppress(ProcessLookupError):  # it exited already (e.g. a failed start)
+        os.killpg(proc.pid, signal.SIGINT)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=60)
     with contextlib.suppress(ProcessLookupError):
@@ -308,14 +456,14 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> str:
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> Target:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"serve exited with {proc.returncode}")
         try:
-            return httpx.get(f"{url}/v1/models", timeout=2).json()["data"][0]["id"]
-        except (httpx.HTTPError, KeyError, ValueError):
+            return url_target(url)
+        except ValueError:
             time.sleep(0.5)
     raise TimeoutError("the gateway did not come up")
 
@@ -344,6 +492,8 @@ def report(sides: list[Side]) -> str:
                      f"{s.tokens_per_s:.0f} | {per_token} | "
                      f"{'n/a' if per_pull is None else f'{per_pull:.0f}'} | "
                      f"{s.per_request('front'):.1f} | {pss:.0f} | {s.num_lost} |")  # fmt: skip
+    if any(s.checks for s in sides):
+        lines += ["", scale_report(sides)]
     if len(sides) == 2:
         old, new = sides
         ratio = new.per_1k("front") / max(old.per_1k("front"), 1e-9)
@@ -351,6 +501,34 @@ def report(sides: list[Side]) -> str:
         total_new = sum(new.per_1k(g) for g in new.cpu_ms if g != "gone")
         lines.append(f"\nfront {new.label} ÷ {old.label}: {ratio:.2f}; all processes: "
                      f"{total_new / max(total_old, 1e-9):.2f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def scale_report(sides: list[Side]) -> str:
+    """The --trace checks: completeness, leaks, modeled throughput, startup and memory."""
+    lines = ["| side | instances | up in s | complete / requests | errors | peak streams | "
+             "tokens/s wall | tokens/s modeled | overrun steps | all blocks free | "
+             "planner round ms | PSS MB/instance mean, max | front PSS MB |",
+             "|---" * 13 + "|"]  # fmt: skip
+    for s in sides:
+        c = s.checks
+        if not c:
+            continue
+        overrun = c["sim_overrun_share"]
+        modeled = c["tokens_per_s_modeled"]
+        planner = c["planner_round_s"]
+        free = "yes" if c["all_blocks_free"] else f"**no**: {', '.join(c['instances_holding'])}"
+        pss = s.instance_pss_mb or [0.0]
+        cells = [
+            s.label, str(s.num_instances), f"{s.ready_s:.0f}",
+            f"{c['num_complete']} / {c['num_requests']}", str(c["num_errors"]),
+            str(c["peak_streams"]), f"{c['tokens_per_s_wall']:.0f}",
+            f"{modeled:.0f} (×{c['sim_time_scale']:g})" if modeled else "n/a",
+            f"{overrun:.2%} of {c['sim_steps']}" if overrun is not None else "n/a",
+            free, f"{planner * 1000:.0f}" if planner is not None else "n/a",
+            f"{statistics.mean(pss):.0f}, {max(pss):.0f}", f"{sum(s.front_pss_mb):.0f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -373,11 +551,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between the last request and the idle measurement")  # fmt: skip
     parser.add_argument("--idle-s", type=float, default=10.0,
                         help="seconds of no load over which the idle CPU is measured")  # fmt: skip
+    t = parser.add_argument_group("a load drawn from a trace, checked as a scale run must be")
+    t.add_argument("--trace", nargs="?", const=str(default_trace()), default=None,
+                   help="the load's prompt and output lengths from this trace CSV (no value: "
+                   "%(const)s)")  # fmt: skip
+    lengths = LengthScaling()
+    t.add_argument("--window-start-s", type=float, default=0.0, help="trace window start")
+    t.add_argument("--token-scale", type=float, default=lengths.token_scale,
+                   help="× the trace's prompt and output lengths")  # fmt: skip
+    t.add_argument("--max-prompt-len", type=int, default=lengths.max_prompt_len)
+    t.add_argument("--max-output-len", type=int, default=lengths.max_output_len)
+    t.add_argument("--seed", type=int, default=0, help="of the prompts' random token ids")
+    t.add_argument("--settle-timeout-s", type=float, default=120.0,
+                   help="how long every instance may take to hold nothing after the load")  # fmt: skip
+    parser.add_argument("--json", type=Path, default=None, help="also write every side here")
     args = parser.parse_args(argv)
     checkouts = ([args.checkout] if args.checkout else []) + [REPO_ROOT]
     labels = args.label or ["other", "this"][-len(checkouts) :]
     sides = [measure(c.resolve(), label, args) for c, label in zip(checkouts, labels)]
     print(report(sides))
+    if args.json:
+        sides_data = [dataclasses.asdict(s) for s in sides]
+        args.json.write_text(json.dumps({"argv": argv or sys.argv[1:], "sides": sides_data}))
     return 0
 
 

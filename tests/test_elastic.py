@@ -146,6 +146,7 @@ def test_the_planner_scales_prefill_up_on_a_burst_and_down_after_it(ray_session,
         decisions = {(role, direction): n for role, direction, n in state["decisions"]}
         assert decisions[("prefill", "up")] >= 1 and decisions[("prefill", "down")] >= 1
         assert state["desired"]["prefill"] == 1
+        assert state["round_s"] > 0  # a round (reading every instance, deciding) was timed
 
 
 def test_the_pool_survives_restarts_of_its_controller_and_gateway(ray_session, model_dir):

@@ -11,9 +11,10 @@ import urllib.request
 import httpx
 import pytest
 import ray
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.api.metrics import token_buckets
+from cluster.api.metrics import GatewayMetrics, token_buckets
 from engine import SamplingParams
 from tests.cluster_utils import assert_clean, handle, live_object_ids, start, wait_until
 
@@ -123,6 +124,15 @@ def test_http_statuses_counted(base_url):
 
 def test_token_buckets_follow_vllm():
     assert token_buckets(512) == [1, 2, 5, 10, 20, 50, 100, 200, 500]
+
+
+def test_planner_round_time_is_exported_once_a_round_ran():
+    metrics = GatewayMetrics(MODEL, max_model_len=64)
+    metrics.instances.planner = {"desired": {"prefill": 1}, "decisions": [], "round_s": None}
+    name = "pdcluster_planner_round_seconds"
+    assert not any(n == name for n, _ in samples(generate_latest(metrics.registry).decode()))
+    metrics.instances.planner["round_s"] = 0.25
+    assert samples(generate_latest(metrics.registry).decode())[(name, frozenset())] == 0.25
 
 
 @pytest.mark.parametrize("stream", [False, True])

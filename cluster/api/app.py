@@ -38,6 +38,7 @@ from pdcluster import __version__
 
 CLUSTER_VIEW_TIMEOUT_S = 1.0  # /v1/cluster and /metrics: an instance slower than this is
 # reported unreachable (one restarting would otherwise hold every call for seconds)
+SIM_VIEW_KEYS = ("sim_steps", "sim_steps_overrun", "sim_time_scale")  # a sim's, in /v1/cluster
 COMPONENTS = "#/components/schemas/"
 
 
@@ -200,4 +201,6 @@ def _instance_view(s: dict[str, Any]) -> dict[str, Any]:
         "num_deferred": s.get("num_deferred", 0),
         "num_pending_transfers": s.get("num_pending_sends", 0) + s.get("num_pending_recvs", 0),
         "num_pulls": s.get("num_pulls", 0),
+        "num_streams": s.get("num_streams", 0),
+        **{k: s[k] for k in SIM_VIEW_KEYS if k in s},  # a simulated engine's
     }

@@ -143,6 +143,12 @@ class _InstanceCollector(Collector):
         for role, direction, count in self.planner.get("decisions", []):
             decisions.add_metric([role, direction], float(count))
         yield from (actual, wanted, decisions)
+        if self.planner.get("round_s") is not None:
+            yield GaugeMetricFamily(
+                "pdcluster_planner_round_seconds",
+                "The planner's last round: reading every instance's stats and deciding",
+                value=self.planner["round_s"],
+            )
 
     def _transfer_latency(self, answered: list[dict[str, Any]]) -> HistogramMetricFamily:
         """KV load latency on each decode instance, from its connector's histogram."""

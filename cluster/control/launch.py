@@ -356,11 +356,13 @@ def launch(
 
 
 def _start_pool(controller: ray.actor.ActorHandle) -> dict[str, str]:
-    """The pool's members once it is up; a controller that is restarting is waited for."""
+    """The pool's members once it is up (the controller bounds that: it gives up once no new
+    instance answered for READY_TIMEOUT_S, however long a large pool takes in all); a
+    controller that is restarting is waited for."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         try:
-            return ray.get(controller.start.remote(), timeout=READY_TIMEOUT_S)
+            return ray.get(controller.start.remote())
         except ray.exceptions.ActorUnavailableError:
             if time.monotonic() > deadline:
                 raise

@@ -33,9 +33,10 @@ from cluster.control.planner import Planner, signals_from_stats
 
 logger = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 300.0  # placement (a node may have to be added) and model load
+READY_TIMEOUT_S = 300.0  # the longest wait for the next new instance: placement, model load
 DRAIN_TIMEOUT_S = 600.0
 SERVING_ROLES = ("prefill", "decode", "mixed")
+STATS_TIMEOUT_S = 5.0  # a planner round's stats call per instance
 LATENCY_FRESH_S = 30.0  # replicas report every few seconds; older reports are dropped
 
 
@@ -64,6 +65,8 @@ class PoolController:
         self._planner = Planner(self.config.autoscale) if self.config.autoscale else None
         self._planner_task: asyncio.Task | None = None
         self.decisions: Counter[tuple[str, str]] = Counter()  # (role, up|down) -> count
+        self._round_s: float | None = None  # the planner's last round: stats and decisions
+        self._last_up = 0.0  # when a new instance last answered (bounds the wait for more)
         # gateway replica -> (when, TTFT p90 ms, TPOT p90 ms) it last reported
         self._latencies: dict[str, tuple[float, float | None, float | None]] = {}
 
@@ -83,7 +86,8 @@ class PoolController:
         return dict(self._members)
 
     async def planner_state(self) -> dict[str, Any]:
-        """Desired count per role (the planner's, else the actual), and decisions made."""
+        """Desired count per role (the planner's, else the actual), decisions made, and how
+        long the planner's last round took to read the stats and decide (None: none yet)."""
         actual = Counter(self._members.values())
         desired = dict(actual)
         if self._planner is not None:
@@ -91,6 +95,7 @@ class PoolController:
         return {
             "desired": {r: desired.get(r, 0) for r in ROLES},
             "decisions": [[r, d, n] for (r, d), n in self.decisions.items()],
+            "round_s": self._round_s,
         }
 
     async def report_latency(
@@ -153,22 +158,22 @@ class PoolController:
     async def _add(self, role: str, count: int) -> None:
         """Start `count` instances of `role` and admit them once they answer."""
         started = []
+        self._last_up = time.monotonic()
         for _ in range(count):
             iid = f"{self.pool}-{role}-{self._next_index[role]}"
             self._next_index[role] += 1
             handle = self._handles[iid] = self._start(role, iid)
             started.append((iid, handle))
         try:
-            await asyncio.wait_for(
-                asyncio.gather(*(h.health.remote() for _, h in started)), READY_TIMEOUT_S
-            )
+            await self._until_up([h for _, h in started])
         except asyncio.TimeoutError:
             for iid, _ in started:
                 self._kill(iid)
             raise PlacementTimeout(
-                f"no room for {count} more {role} instance(s) within {READY_TIMEOUT_S:.0f} s: "
-                f"each needs {self._demand(role)}; free now: {_free_resources()} (add nodes, "
-                "let an autoscaler add them, or ask for fewer resources per instance)"
+                f"{count} more {role} instance(s) did not come up: no new instance of the "
+                f"pool answered for {READY_TIMEOUT_S:.0f} s; each needs {self._demand(role)}; "
+                f"free now: {_free_resources()} (add nodes, let an autoscaler add them, or ask "
+                "for fewer resources per instance)"
             ) from None
         except BaseException:
             for iid, _ in started:
@@ -178,6 +183,28 @@ class PoolController:
             self._members[iid] = role
             logger.info("instance %s (%s) joined pool %s", iid, role, self.pool)
         self._save()
+
+    async def _until_up(self, handles: list[ray.actor.ActorHandle]) -> None:
+        """Wait until every one of `handles` answers. asyncio.TimeoutError once READY_TIMEOUT_S
+        passed with no new instance of the pool answering: many instances on a small host
+        start a few at a time (each imports torch and Ray), so what is bounded is the wait
+        for progress, not the whole launch."""
+        pending = {asyncio.ensure_future(self._health(h)) for h in handles}
+        try:
+            while pending:
+                left_s = self._last_up + READY_TIMEOUT_S - time.monotonic()
+                if left_s <= 0:
+                    raise asyncio.TimeoutError
+                done, pending = await asyncio.wait(pending, timeout=left_s)
+                for task in done:
+                    task.result()  # an instance that failed to start fails the launch
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _health(self, handle: ray.actor.ActorHandle) -> None:
+        await handle.health.remote()
+        self._last_up = time.monotonic()
 
     def _demand(self, role: str) -> dict[str, float]:
         """The resources one instance of `role` asks Ray for."""
@@ -238,9 +265,11 @@ class PoolController:
                 logger.exception("planner round failed")
 
     async def _plan_once(self) -> None:
+        started = time.monotonic()
         stats = await self._stats()
-        signals = signals_from_stats(stats, *self._latency_p90s())
-        for decision in self._planner.decide(signals):
+        decisions = self._planner.decide(signals_from_stats(stats, *self._latency_p90s()))
+        self._round_s = time.monotonic() - started  # reading and deciding, not scaling
+        for decision in decisions:
             if decision.desired == decision.current:
                 continue
             direction = "up" if decision.desired > decision.current else "down"
@@ -252,15 +281,18 @@ class PoolController:
             await self.scale(decision.role, decision.desired)
 
     async def _stats(self) -> list[dict[str, Any]]:
-        results = []
-        for iid, role in list(self._members.items()):
-            handle = self._actor(iid)
-            try:
-                stats = await asyncio.wait_for(handle.stats.remote(), 5) if handle else {}
-                results.append({**stats, "role": role, "healthy": bool(stats)})
-            except (ray.exceptions.RayError, asyncio.TimeoutError):
-                results.append({"id": iid, "role": role, "healthy": False})
-        return results
+        """Every member's stats, asked of all at once (a round costs one call's time, not
+        one per instance); one that fails or is slower than STATS_TIMEOUT_S is unhealthy."""
+        members = list(self._members.items())
+        return list(await asyncio.gather(*(self._instance_stats(i, r) for i, r in members)))
+
+    async def _instance_stats(self, iid: str, role: str) -> dict[str, Any]:
+        handle = self._actor(iid)
+        try:
+            stats = await asyncio.wait_for(handle.stats.remote(), STATS_TIMEOUT_S) if handle else {}
+        except (ray.exceptions.RayError, asyncio.TimeoutError):
+            return {"id": iid, "role": role, "healthy": False}
+        return {**stats, "role": role, "healthy": bool(stats)}
 
     # ---- helpers -----------------------------------------------------------------------
     def _actor(self, instance_id: str) -> ray.actor.ActorHandle | None:

@@ -77,17 +77,19 @@ def load_model(
     """Build the model of `model_dir` and load its weights."""
     path = Path(model_dir)
     architecture, config = _read_config(path)
-    model, info = _build(architecture, config, path)
+    configs = _configs(architecture, config)
+    model = _build(architecture, configs)
     state = _read_weights(path, model, device, dtype)
     _assign_weights(model, state)
-    return model.eval().requires_grad_(False), info
+    return model.eval().requires_grad_(False), _model_info(path, architecture, config, configs)
 
 
 def read_model_info(model_dir: str) -> ModelInfo:
-    """The model's shape and special tokens, without loading any weight."""
+    """The model's shape and special tokens, from its config files alone: no module is built
+    (building one, even on the meta device, costs every simulated instance a second of CPU)."""
     path = Path(model_dir)
     architecture, config = _read_config(path)
-    return _build(architecture, config, path)[1]
+    return _model_info(path, architecture, config, _configs(architecture, config))
 
 
 def _read_config(path: Path) -> tuple[str, dict[str, Any]]:
@@ -103,16 +105,42 @@ def _read_config(path: Path) -> tuple[str, dict[str, Any]]:
     return architecture, config
 
 
-def _build(architecture: str, config: dict[str, Any], path: Path) -> tuple[nn.Module, ModelInfo]:
-    generation = _read_json(path / "generation_config.json") or {}
+@dataclass(frozen=True)
+class _Configs:
+    """Our configs of a checkpoint: the text decoder's, and LLaVA's around it (if any)."""
+
+    text: DecoderConfig
+    text_dict: dict[str, Any]  # the decoder's part of config.json
+    llava: LlavaConfig | None = None
+
+
+def _configs(architecture: str, config: dict[str, Any]) -> _Configs:
+    if architecture == LLAVA_ARCHITECTURE:
+        llava = LlavaConfig.from_hf(config)
+        return _Configs(llava.text, config.get("text_config") or {}, llava)
+    model_type = TEXT_ARCHITECTURES[architecture]
+    if model_type in GEMMA_MODEL_TYPES:
+        return _Configs(gemma_config(config, model_type), config)
+    return _Configs(DecoderConfig.from_hf(config, model_type), config)
+
+
+def _build(architecture: str, configs: _Configs) -> nn.Module:
+    """The model on the meta device (no memory until its weights are assigned)."""
     with torch.device("meta"):
-        if architecture == LLAVA_ARCHITECTURE:
-            cfg = LlavaConfig.from_hf(config)
-            model: nn.Module = LlavaForConditionalGeneration(cfg)
-            text, text_dict = cfg.text, config.get("text_config") or {}
-        else:
-            model, text, text_dict, cfg = *_text_model(architecture, config), config, None
-    info = ModelInfo(
+        if configs.llava is not None:
+            return LlavaForConditionalGeneration(configs.llava)
+        if TEXT_ARCHITECTURES[architecture] in GEMMA_MODEL_TYPES:
+            return GemmaForCausalLM(configs.text)
+        return LlamaForCausalLM(configs.text)
+
+
+def _model_info(
+    path: Path, architecture: str, config: dict[str, Any], configs: _Configs
+) -> ModelInfo:
+    generation = _read_json(path / "generation_config.json") or {}
+    text, llava = configs.text, configs.llava
+    ids = (config, configs.text_dict, generation)
+    return ModelInfo(
         architecture=architecture,
         num_layers=text.num_layers,
         num_heads=text.num_heads,
@@ -121,23 +149,13 @@ def _build(architecture: str, config: dict[str, Any], path: Path) -> tuple[nn.Mo
         hidden_size=text.hidden_size,
         vocab_size=text.vocab_size,
         max_position_embeddings=text.max_position_embeddings,
-        eos_token_ids=_token_ids("eos_token_id", config, text_dict, generation),
-        bos_token_id=(_token_ids("bos_token_id", config, text_dict, generation) or [None])[0],
-        is_multimodal=cfg is not None,
-        image_token_id=cfg.image_token_id if cfg else None,
-        num_image_tokens=cfg.num_image_tokens if cfg else None,
-        image_size=cfg.vision.image_size if cfg else None,
+        eos_token_ids=_token_ids("eos_token_id", *ids),
+        bos_token_id=(_token_ids("bos_token_id", *ids) or [None])[0],
+        is_multimodal=llava is not None,
+        image_token_id=llava.image_token_id if llava else None,
+        num_image_tokens=llava.num_image_tokens if llava else None,
+        image_size=llava.vision.image_size if llava else None,
     )
-    return model, info
-
-
-def _text_model(architecture: str, config: dict[str, Any]) -> tuple[nn.Module, DecoderConfig]:
-    model_type = TEXT_ARCHITECTURES[architecture]
-    if model_type in GEMMA_MODEL_TYPES:
-        text = gemma_config(config, model_type)
-        return GemmaForCausalLM(text), text
-    text = DecoderConfig.from_hf(config, model_type)
-    return LlamaForCausalLM(text), text
 
 
 def _token_ids(key: str, *sources: dict[str, Any]) -> list[int]:
