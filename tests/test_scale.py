@@ -137,35 +137,34 @@ def run_streams(cluster: Cluster, num_streams: int) -> None:
     assert _num_loads(cluster) - loads_before == num_streams
 
 
-@pytest.fixture(scope="module")
-def sixteen(ray_session):
-    with launch(_config(num_prefill=4, num_decode=12, num_cpus=0.25)) as cluster:
-        yield cluster
-
-
-def test_sixteen_sim_instances_two_replicas_200_streams(sixteen):
-    run_streams(sixteen, 200)
-
-
-def test_a_late_pull_reply_still_delivers_its_outputs(sixteen, monkeypatch):
+def test_a_late_pull_reply_still_delivers_its_outputs(ray_session, monkeypatch):
     """A pull answered after PULL_TIMEOUT_S (a loaded host) marks its instance unhealthy and
     is still read: the outputs the instance handed to it reach the stream."""
     (stream,) = _streams(1)
     stream = Stream(stream.prompt, 8)
     (expected,) = _expected([stream])
-    baseline = live_object_ids()
     params = SamplingParams(temperature=0.0, max_tokens=stream.max_tokens, ignore_eos=True)
-    request = sixteen.make_request(stream.prompt, params)
+    with launch(_config(num_prefill=1, num_decode=1, num_cpus=0.25)) as cluster:
+        baseline = live_object_ids()
+        request = cluster.make_request(stream.prompt, params)
 
-    async def scenario() -> list[int]:
-        task = asyncio.create_task(collect(sixteen, request))
-        assert await until(lambda: sixteen.front.num_in_flight() == 1)  # planned
-        monkeypatch.setattr(front, "PULL_TIMEOUT_S", 0.0)  # every pull from now on is late
-        return (await asyncio.wait_for(task, 120)).token_ids
+        async def scenario() -> list[int]:
+            task = asyncio.create_task(collect(cluster, request))
+            assert await until(lambda: cluster.front.num_in_flight() == 1)  # planned
+            monkeypatch.setattr(front, "PULL_TIMEOUT_S", 0.0)  # every pull from now is late
+            return (await asyncio.wait_for(task, 120)).token_ids
 
-    assert asyncio.run(scenario()) == expected
-    monkeypatch.undo()
-    assert_clean(sixteen, baseline, timeout_s=60)
+        assert asyncio.run(scenario()) == expected
+        monkeypatch.undo()
+        assert_clean(cluster, baseline, timeout_s=60)
+
+
+# 16 instances take ~3.5 minutes to start at load 30-40 on this machine: over the default
+# suite's budget for one test, so the 16- and 32-instance runs are both `slow`.
+@pytest.mark.slow
+def test_sixteen_sim_instances_two_replicas_200_streams(ray_session):
+    with launch(_config(num_prefill=4, num_decode=12, num_cpus=0.25)) as cluster:
+        run_streams(cluster, 200)
 
 
 @pytest.mark.slow
