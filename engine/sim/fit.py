@@ -123,8 +123,8 @@ def measure(
         times = []
         decodes = StepShape(decode_contexts=tuple(max(0, c - lead) for c in shape.decode_contexts))
         held = _step_output(decodes, block_size, first_id, f"{index}-d", repeats)
+        prefill = StepShape(prefill=shape.prefill)
         for attempt in range(repeats + 1):
-            prefill = StepShape(prefill=shape.prefill)
             new = _step_output(prefill, block_size, first_id, f"{index}-{attempt}")
             so = _join(new, _next_decode(held, attempt) if attempt else held)
             so.finished_req_ids, finished = finished, set(new.num_scheduled_tokens)
