@@ -236,7 +236,7 @@ class InstanceActor:
         self._paused.clear()
         self._inbox.put(("wake", None))
 
-    async def drain(self, timeout_s: float = 60.0) -> bool:
+    async def drain(self, timeout_s: float) -> bool:
         """Stop being offered new requests (pull replies say so), finish what is held (KV held
         for a D included, until acked or leased), and return True once nothing has been held
         for DRAIN_QUIET_S: requests planned just before replicas noticed still arrive and

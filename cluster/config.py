@@ -172,6 +172,10 @@ class RoleSpec(_Strict):
     engine: dict[str, Any] = Field(
         default_factory=dict, description="overrides of the cluster's engine settings"
     )
+    drain_timeout_s: float = Field(
+        600.0, gt=0, description="a leaving instance's time to finish what it holds; then it is "
+        "removed and its streams move to live instances",
+    )  # fmt: skip
 
 
 class ConnectorSettings(_Strict):

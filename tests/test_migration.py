@@ -154,8 +154,8 @@ def run_chaos(cluster, num_streams: int, num_kills: int, expected: Callable) -> 
 @pytest.fixture(scope="module")
 def sim_reference():
     llm = LLM(SIM, **ENGINE)
-    return lambda token_ids: [
-        o.token_ids for o in llm.generate([{"prompt_token_ids": t} for t in token_ids], STREAM)
+    return lambda token_ids, params=STREAM: [
+        o.token_ids for o in llm.generate([{"prompt_token_ids": t} for t in token_ids], params)
     ]
 
 
@@ -199,4 +199,34 @@ def test_a_stream_moves_at_most_migration_limit_times(ray_session):
         assert 20 <= len(result.token_ids) < long.max_tokens
         assert cluster.front.num_moves == 1
         wait_back(cluster, killed)
+        assert_clean(cluster, baseline, timeout_s=60)
+
+
+def test_streams_move_off_an_instance_whose_drain_timed_out(ray_session, sim_reference):
+    """Scaling decode 2 -> 1 drains the newest D; its streams outlast `drain_timeout_s`, so
+    the pool removes it with streams still on it, and they move to the other D and finish."""
+    long = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+    config = roles(1, 2, 0.5)
+    config["decode"]["drain_timeout_s"] = 0.5
+    with start(SIM, **config) as cluster:
+        baseline = live_object_ids()
+        leaving = max((i for i, (r, _) in cluster.instances.items() if r == "decode"),
+                      key=lambda i: int(i.rsplit("-", 1)[1]))  # fmt: skip
+
+        async def scenario() -> list[RequestOutput]:
+            load = Load(cluster, long)
+            streams = load.add(prompts(8, seed=5))
+            assert await load.all_have(streams, 8)
+            assert stats_by_id(cluster)[leaving]["num_running"] > 0
+            members = await cluster.scale("decode", 1)
+            assert leaving not in members
+            return await load.done()
+
+        results = asyncio.run(scenario())
+        assert [r.finish_reason for r in results] == ["length"] * len(results)
+        assert [r.token_ids for r in results] == sim_reference(
+            [r.prompt_token_ids for r in results], long
+        )
+        assert cluster.front.num_moves > 0
+        assert wait_until(lambda: leaving not in cluster.instances)
         assert_clean(cluster, baseline, timeout_s=60)

@@ -34,7 +34,6 @@ from cluster.control.planner import Planner, signals_from_stats
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 300.0  # the longest wait for the next new instance: placement, model load
-DRAIN_TIMEOUT_S = 600.0
 SERVING_ROLES = ("prefill", "decode", "mixed")
 STATS_TIMEOUT_S = 5.0  # a planner round's stats call per instance
 LATENCY_FRESH_S = 30.0  # replicas report every few seconds; older reports are dropped
@@ -243,7 +242,8 @@ class PoolController:
         handle = self._actor(iid)
         if handle is not None:
             with contextlib.suppress(ray.exceptions.RayError):
-                if not await handle.drain.remote(DRAIN_TIMEOUT_S):
+                timeout_s = getattr(self.config, self._members[iid]).drain_timeout_s
+                if not await handle.drain.remote(timeout_s):
                     logger.warning("instance %s did not drain in time; removing it", iid)
         self._members.pop(iid, None)
         self._save()
