@@ -94,6 +94,36 @@ async def collect(cluster: Cluster, request: Request) -> RequestOutput:
     return result
 
 
+class Load:
+    """Streams in flight on a cluster, their outputs so far readable at any time."""
+
+    def __init__(self, cluster, params: SamplingParams) -> None:
+        self.cluster, self.params = cluster, params
+        self.results: list[RequestOutput] = []
+        self.tasks: list[asyncio.Task] = []
+
+    def add(self, batch: list) -> list[RequestOutput]:
+        added = []
+        for prompt in batch:
+            request = self.cluster.make_request(prompt, self.params)
+            result = new_request_output(request)
+            self.results.append(result)
+            self.tasks.append(asyncio.create_task(self._stream(request, result)))
+            added.append(result)
+        return added
+
+    async def _stream(self, request, result: RequestOutput) -> None:
+        async for out in self.cluster.stream(request):
+            merge_output(result, out)
+
+    async def all_have(self, results: list[RequestOutput], num_tokens: int) -> bool:
+        return await until(lambda: all(len(r.token_ids) >= num_tokens for r in results), 60)
+
+    async def done(self) -> list[RequestOutput]:
+        await asyncio.gather(*self.tasks)
+        return self.results
+
+
 def our_objects_in_store(object_ids: Iterable[str] | None = None) -> set[str]:
     """Hex ids of objects that some worker of the cluster still references (the store frees an
     object once none does), restricted to `object_ids` when given."""

@@ -46,7 +46,7 @@ def completion_tokens(port: int) -> int:
     return response.json()["usage"]["completion_tokens"]
 
 
-def check(model_dir: str, address: str) -> dict[str, Any]:
+def check(model_dir: str, cluster) -> dict[str, Any]:
     import ray
     from ray import serve
 
@@ -57,7 +57,7 @@ def check(model_dir: str, address: str) -> dict[str, Any]:
     from tests.cluster_utils import SMALL_ENGINE, wait_until
     from tests.gateway_utils import free_port
 
-    ray.init(address=address, namespace="pdcluster-placement", log_to_driver=False)
+    ray.init(address=cluster.address, namespace="pdcluster-placement", log_to_driver=False)
     nodes = [n for n in ray.nodes() if n["Alive"]]
     head = next(n["NodeID"] for n in nodes if HEAD_RESOURCE in n["Resources"])
     worker = next(n["NodeID"] for n in nodes if n["NodeID"] != head)

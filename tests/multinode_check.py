@@ -44,7 +44,7 @@ def start_ray_cluster(workers: list[dict[str, float]]):
     return cluster
 
 
-def serve(model_dir: str, address: str) -> dict[str, Any]:
+def serve(model_dir: str, cluster) -> dict[str, Any]:
     import ray
 
     from cluster.config import ClusterConfig
@@ -52,7 +52,7 @@ def serve(model_dir: str, address: str) -> dict[str, Any]:
     from engine import LLM
     from tests.cluster_utils import GREEDY, SMALL_ENGINE, mixed_prompts
 
-    ray.init(address=address, namespace="pdcluster-multinode", log_to_driver=False)
+    ray.init(address=cluster.address, namespace="pdcluster-multinode", log_to_driver=False)
     roles = {
         role: {"count": 1, "num_cpus": 1, "resources": {f"pdcluster_{role}": 1}} for role in ROLES
     }
@@ -82,11 +82,11 @@ def serve(model_dir: str, address: str) -> dict[str, Any]:
 
 def run_check(
     description: str,
-    check: Callable[[str, str], dict[str, Any]],
+    check: Callable[[str, Any], dict[str, Any]],
     workers: list[dict[str, float]],
 ) -> int:
-    """A check script's main: start the cluster, run `check(model_dir, address)` on it, shut
-    it down, print the result as one JSON object."""
+    """A check script's main: start the cluster, run `check(model_dir, cluster)` on it (a
+    `ray.cluster_utils.Cluster`), shut it down, print the result as one JSON object."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True, help="checkpoint folder")
     args = parser.parse_args()
@@ -96,7 +96,7 @@ def run_check(
     with keep_current_cluster_record():
         try:
             cluster = start_ray_cluster(workers)
-            result = check(args.model, cluster.address)
+            result = check(args.model, cluster)
         finally:
             ray.shutdown()
             if cluster is not None:

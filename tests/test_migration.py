@@ -17,8 +17,8 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
-from engine.llm import RequestOutput, merge_output, new_request_output
-from tests.cluster_utils import assert_clean, live_object_ids, start, until, wait_until
+from engine.llm import RequestOutput
+from tests.cluster_utils import Load, assert_clean, live_object_ids, start, wait_until
 
 SIM = "sim:h100-llama-3.1-8b"
 ENGINE = {
@@ -44,36 +44,6 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     (a shared prefix would send them all to the P that caches it)."""
     rng = random.Random(seed)
     return [[rng.randrange(100, 1500) for _ in range(rng.randint(8, 60))] for _ in range(n)]
-
-
-class Load:
-    """Streams in flight on a cluster, their outputs so far readable at any time."""
-
-    def __init__(self, cluster, params: SamplingParams) -> None:
-        self.cluster, self.params = cluster, params
-        self.results: list[RequestOutput] = []
-        self.tasks: list[asyncio.Task] = []
-
-    def add(self, batch: list) -> list[RequestOutput]:
-        added = []
-        for prompt in batch:
-            request = self.cluster.make_request(prompt, self.params)
-            result = new_request_output(request)
-            self.results.append(result)
-            self.tasks.append(asyncio.create_task(self._stream(request, result)))
-            added.append(result)
-        return added
-
-    async def _stream(self, request, result: RequestOutput) -> None:
-        async for out in self.cluster.stream(request):
-            merge_output(result, out)
-
-    async def all_have(self, results: list[RequestOutput], num_tokens: int) -> bool:
-        return await until(lambda: all(len(r.token_ids) >= num_tokens for r in results), 60)
-
-    async def done(self) -> list[RequestOutput]:
-        await asyncio.gather(*self.tasks)
-        return self.results
 
 
 def stats_by_id(cluster) -> dict[str, dict]:

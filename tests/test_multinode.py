@@ -60,3 +60,17 @@ def test_gateway_replicas_stay_off_a_head_without_cpus(preset_dir):
     assert "5 more replicas need" in result["too_many_error"]
     assert "'pdcluster_gateway': 1.0" in result["too_many_error"]
     assert result["pool_shut_down"]
+
+
+def test_a_whole_node_dies_under_load_and_its_streams_go_on(preset_dir):
+    """1P2D, one raylet per instance: a decode's node is removed mid-stream. Every stream
+    finishes token-identical to colocated serving (those on the lost node moved), the lost
+    instance comes back on a replacement node and serves again, and nothing leaks."""
+    result = run_check("tests.multinode_chaos_check", preset_dir("tiny-llama"))
+
+    assert result["victim_running_at_kill"] > 0 and result["num_moves"] > 0
+    assert result["errors"] == [] and set(result["finish_reasons"]) == {"length"}
+    assert result["token_ids"] == result["expected_token_ids"]
+    assert result["restarted"] and result["victim_node_after"] != result["victim_node_before"]
+    assert result["victim_loads_after_restart"] > 0  # the replacement took traffic
+    assert result["free_equals_total"]
