@@ -13,6 +13,14 @@ under this load: the goal is a stall of about one re-prefill of prompt + tokens 
 
     python -m benchmarks.migration --model smollm2-135m --prefills 1 --decodes 2 \\
         --streams 32 --max-tokens 128 --out migration-out
+
+With `--url` and `--address` it measures a cluster served from outside instead (`ray start
+--head`, then `pdcluster serve --address`): this process streams to the gateway at `--url`
+and, as a separate Ray driver of that cluster, kills the decode instance the gateway's
+`/v1/cluster` shows running the most streams; moved streams are counted from the gateway's
+`pdcluster_request_migrations_total`. One round, at the server's own `migration_limit`:
+
+    python -m benchmarks.migration --url http://127.0.0.1:8000 --address 127.0.0.1:6379
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks.client import PreparedRequest, RequestResult, make_client, stream_one
 from benchmarks.targets import embedded_ray, serve_in_thread
 from benchmarks.workload import RequestSpec
+from cluster.config import RaySettings
 from routing.policy import DEFAULT_MIGRATION_LIMIT
 
 ENGINE = {"block_size": 16, "num_blocks": 1024, "max_num_seqs": 64, "max_model_len": 2048}
@@ -50,32 +60,36 @@ def prepared(num_streams: int, max_tokens: int, model: str, tag: str) -> list[Pr
 
 
 async def stream_all(
-    url: str, requests: list[PreparedRequest], cluster: Any = None, kill_after: int = 0
+    url: str,
+    requests: list[PreparedRequest],
+    kill: Callable[[], str] | None = None,
+    kill_after: int = 0,
 ) -> tuple[list[RequestResult], str | None]:
-    """Every request at once; with `cluster`, the busiest decode instance is killed once
-    every stream has `kill_after` chunks. Returns the results and the killed instance."""
+    """Every request at once; with `kill`, it is called (it kills an instance and names it)
+    once every stream has `kill_after` chunks. Returns the results and the killed instance."""
     results = [RequestResult(r.spec) for r in requests]
     killed = None
     async with make_client() as client:
         tasks = [asyncio.ensure_future(stream_one(client, url, r, res))
                  for r, res in zip(requests, results)]  # fmt: skip
-        if cluster is not None:
+        if kill is not None:
             while not all(r.ttft_s is not None and len(r.itl_s) + 1 >= kill_after
                           for r in results):  # fmt: skip
                 if all(t.done() for t in tasks):
                     raise RuntimeError("the streams ended before the kill; raise --max-tokens")
                 await asyncio.sleep(0.01)
-            killed = await asyncio.get_running_loop().run_in_executor(None, kill_busiest, cluster)
+            killed = await asyncio.get_running_loop().run_in_executor(None, kill)
         await asyncio.gather(*tasks)
     return results, killed
 
 
-def kill_busiest(cluster: Any) -> str:
+def kill_busiest(stats: list[dict[str, Any]], namespace: str | None = None) -> str:
+    """`ray.kill` (Ray restarts it) the healthy decode instance running the most requests."""
     import ray
 
-    stats = [s for s in cluster.stats() if s["role"] == "decode" and s["healthy"]]
-    victim = max(stats, key=lambda s: s.get("num_active", 0))["id"]
-    ray.kill(cluster.instances[victim][1], no_restart=False)
+    decodes = [s for s in stats if s["role"] == "decode" and s["healthy"]]
+    victim = max(decodes, key=lambda s: s.get("num_running", 0))["id"]
+    ray.kill(ray.get_actor(victim, namespace=namespace), no_restart=False)
     return victim
 
 
@@ -106,27 +120,83 @@ def run_one(args: argparse.Namespace, limit: int) -> dict[str, Any]:
             requests = prepared(args.streams, args.max_tokens, name, tag)
             load_avg = os.getloadavg()[0]
             started = time.perf_counter()
-            hit, killed = asyncio.run(stream_all(url, requests, cluster, args.kill_after_tokens))
+            kill = lambda: kill_busiest(cluster.stats())  # noqa: E731
+            hit, killed = asyncio.run(stream_all(url, requests, kill, args.kill_after_tokens))
             wall_s = time.perf_counter() - started
             moves = {_client_id(t.request_id, tag): t.num_moves for t in cluster.front.traces()}
     finally:
         cluster.shutdown()
-    return summarize(limit, calm, hit, moves, tag, killed, wall_s, load_avg)
+    moved = [i for i in range(len(hit)) if moves.get(f"{tag}-{i}", 0) > 0]
+    return summarize(limit, calm, hit, moved, killed, wall_s, load_avg)
+
+
+def run_outside(args: argparse.Namespace) -> dict[str, Any]:
+    """One round against a gateway and cluster started elsewhere (see the module doc)."""
+    import httpx
+    import ray
+
+    ray.init(address=args.address, namespace=args.namespace, log_to_driver=False)
+    url = args.url.rstrip("/")
+    with httpx.Client(timeout=30) as http:
+        name = http.get(f"{url}/v1/models").raise_for_status().json()["data"][0]["id"]
+
+        def view() -> list[dict[str, Any]]:
+            return http.get(f"{url}/v1/cluster").raise_for_status().json()["instances"]
+
+        calm, _ = asyncio.run(
+            stream_all(url, prepared(args.streams, args.max_tokens, name, "calm"))
+        )
+        wait_idle(view)
+        moves_before = migrations(http.get(f"{url}/metrics").text)
+        load_avg = os.getloadavg()[0]
+        started = time.perf_counter()
+        requests = prepared(args.streams, args.max_tokens, name, "hit")
+        kill = lambda: kill_busiest(view(), args.namespace)  # noqa: E731
+        hit, killed = asyncio.run(stream_all(url, requests, kill, args.kill_after_tokens))
+        wall_s = time.perf_counter() - started
+        wait_idle(view)
+        num_moved = migrations(http.get(f"{url}/metrics").text) - moves_before
+    ray.shutdown()
+    row = summarize(None, calm, hit, None, killed, wall_s, load_avg)  # the server's limit
+    row["moved"] = num_moved
+    return row
+
+
+def wait_idle(view: Callable[[], list[dict[str, Any]]]) -> None:
+    """Until every healthy instance the gateway shows runs nothing and has all blocks free."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        busy = [v for v in view() if v["healthy"] and (
+            v["num_running"] or v["num_waiting"] or v["num_blocks_free"] != v["num_blocks_total"]
+        )]  # fmt: skip
+        if not busy:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"instances still busy after {IDLE_TIMEOUT_S} s: {busy}")
+
+
+def migrations(exposition: str) -> int:
+    """pdcluster_request_migrations_total in a /metrics exposition."""
+    for line in exposition.splitlines():
+        if line.startswith("pdcluster_request_migrations_total"):
+            return int(float(line.split()[-1]))
+    raise ValueError("the gateway exports no pdcluster_request_migrations_total")
 
 
 def summarize(
-    limit: int,
+    limit: int | None,
     calm: list[RequestResult],
     hit: list[RequestResult],
-    moves: dict[str, int],
-    tag: str,
+    moved: list[int] | None,
     killed: str | None,
     wall_s: float,
     load_avg: float,
 ) -> dict[str, Any]:
-    moved = [i for i in range(len(hit)) if moves.get(f"{tag}-{i}", 0) > 0]
-    extra = [hit[i].e2e_s - calm[i].e2e_s for i in moved if hit[i].ok]
-    stalls = [max(hit[i].itl_s, default=0.0) for i in moved if hit[i].ok]
+    """`moved`: indices of the streams that moved (None: not known per stream; the stall
+    columns then take every stream of the round)."""
+    per_stream = moved if moved is not None else range(len(hit))
+    extra = [hit[i].e2e_s - calm[i].e2e_s for i in per_stream if hit[i].ok]
+    stalls = [max(hit[i].itl_s, default=0.0) for i in per_stream if hit[i].ok]
     calm_ttft = statistics.median(r.ttft_s for r in calm if r.ok)
     complete = [r for r in hit if r.ok and r.num_output_tokens == r.spec.output_len]
     return {
@@ -135,7 +205,7 @@ def summarize(
         "streams": len(hit),
         "errors": sum(r.error is not None for r in hit),
         "complete": len(complete),
-        "moved": len(moved),
+        "moved": len(moved) if moved is not None else None,
         "extra_latency_ms_p50": _ms(statistics.median(extra)) if extra else None,
         "extra_latency_ms_max": _ms(max(extra)) if extra else None,
         "stall_ms_p50": _ms(statistics.median(stalls)) if stalls else None,
@@ -169,9 +239,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-after-tokens", type=int, default=16)
     parser.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT)
     parser.add_argument("--out", type=Path, default=None, help="folder for results.json")
+    parser.add_argument("--url", help="a gateway served from outside (with --address)")
+    parser.add_argument("--address", help="the Ray cluster behind --url, to kill an instance")
+    parser.add_argument("--namespace", default=RaySettings.model_fields["namespace"].default)
     args = parser.parse_args(argv)
-    with embedded_ray(args.prefills + args.decodes + 1):
-        rows = [run_one(args, limit) for limit in (0, args.migration_limit)]
+    if bool(args.url) != bool(args.address):
+        parser.error("--url and --address go together")
+    if args.url:
+        rows = [run_outside(args)]
+        print(json.dumps(rows[0]))
+        print(f"errors: {rows[0]['errors']}/{rows[0]['streams']}; moved: {rows[0]['moved']}")
+    else:
+        with embedded_ray(args.prefills + args.decodes + 1):
+            rows = [run_one(args, limit) for limit in (0, args.migration_limit)]
+        report(rows)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def report(rows: list[dict[str, Any]]) -> None:
     off, on = rows
     for row in rows:
         print(json.dumps(row))
@@ -180,10 +268,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{on['streams']} on; moved streams: stall p50 {on['stall_ms_p50']} ms = "
         f"{(on['stall_ms_p50'] or 0) / on['calm_ttft_ms_p50']:.2f} x the undisturbed p50 TTFT"
     )
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

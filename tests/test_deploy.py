@@ -75,6 +75,7 @@ COUNTERS = {
     "pdcluster_ec_transfer_bytes_total",
     "pdcluster_kv_leases_expired_total",
     "pdcluster_planner_decisions_total",  # {role, direction}: instances added or drained
+    "pdcluster_request_migrations_total",  # streams moved off a lost instance
 }
 GAUGES = {
     "vllm:kv_cache_usage_perc",

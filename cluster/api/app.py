@@ -146,6 +146,7 @@ def create_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         try:
+            metrics.instances.num_moves = cluster.num_moves
             metrics.instances.snapshot = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
             metrics.instances.planner = await asyncio.wait_for(cluster.planner_state(), 5.0)
         except Exception:  # noqa: BLE001 - serve the request metrics even then

@@ -92,6 +92,7 @@ class _InstanceCollector(Collector):
         self.model_name = model_name
         self.snapshot: list[dict[str, Any]] = []
         self.planner: dict[str, Any] = {}  # the pool controller's planner_state()
+        self.num_moves = 0  # this replica's migrations so far
 
     def collect(self) -> Iterable[Metric]:
         yield from self._pool()
@@ -143,6 +144,12 @@ class _InstanceCollector(Collector):
         for role, direction, count in self.planner.get("decisions", []):
             decisions.add_metric([role, direction], float(count))
         yield from (actual, wanted, decisions)
+        yield CounterMetricFamily(
+            "pdcluster_request_migrations",
+            "Streams this gateway replica planned again on live instances (prompt + tokens "
+            "sent) after the instance serving them was lost",
+            value=self.num_moves,
+        )
         if self.planner.get("round_s") is not None:
             yield GaugeMetricFamily(
                 "pdcluster_planner_round_seconds",

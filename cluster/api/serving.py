@@ -54,6 +54,7 @@ class ClusterClient(Protocol):
 
     kv_tokens_per_instance: int | None
     priority_scheduling: bool  # requests may carry a non-zero priority
+    num_moves: int  # streams moved off a lost instance so far (router.migration_limit)
 
     def stream_group(
         self, requests: list[EngineRequest]

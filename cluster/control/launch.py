@@ -102,6 +102,11 @@ class Cluster:
         return self.front.stream_group(requests)
 
     @property
+    def num_moves(self) -> int:
+        """Attempts this replica planned again after their instance was lost (migrations)."""
+        return self.front.num_moves
+
+    @property
     def instances(self) -> dict[str, tuple[str, ray.actor.ActorHandle]]:
         """instance id -> (role, actor handle), as this replica sees the pool now."""
         return self.front.handles()
