@@ -135,7 +135,9 @@ def run_outside(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
     import ray
 
-    ray.init(address=args.address, namespace=args.namespace, log_to_driver=False)
+    from cluster.control.launch import init_ray
+
+    init_ray(RaySettings(address=args.address, namespace=args.namespace))  # token auth too
     url = args.url.rstrip("/")
     with httpx.Client(timeout=30) as http:
         name = http.get(f"{url}/v1/models").raise_for_status().json()["data"][0]["id"]
