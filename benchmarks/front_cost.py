@@ -408,9 +408,9 @@ def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
         view_before = cluster_view(url)
         spy = _py_spy(proc.pid, args.py_spy, label)
         loadavg["load_start"] = os.getloadavg()
-        before, start = snapshot(proc.pid), time.monotonic()
+        before = snapshot(proc.pid)
         load = asyncio.run(run_load(url, bodies, args.concurrency, timeout_s))
-        after, elapsed = snapshot(proc.pid), time.monotonic() - start
+        after = snapshot(proc.pid)
         loadavg["load_end"] = os.getloadavg()
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its profile and exits
@@ -419,11 +419,14 @@ def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
         side = Side(label, cpu_ms_between(before, after), load.tokens, latency)
         side.num_requests = load.num_requests
         side.idle_pct = idle_pct
-        side.pulls_per_s = {"idle": idle_pulls, "load": _rate(pulls_before, pulls_after, elapsed)}
+        side.pulls_per_s = {
+            "idle": idle_pulls,
+            "load": _rate(pulls_before, pulls_after, load.wall_s),
+        }
         side.instance_pss_mb = group_pss_mb(proc.pid, "instance")
         side.front_pss_mb = group_pss_mb(proc.pid, "front")
         side.num_instances = num_instances
-        side.load_s = elapsed
+        side.load_s = load.wall_s
         side.num_lost = len(load.errors)
         side.ready_s = ready_s
         side.loadavg = loadavg
