@@ -127,6 +127,7 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "dtype": (("engine", "dtype"), str),
     "sim_time_scale": (("engine", "sim_time_scale"), float),
     "migration_limit": (("router", "migration_limit"), int),
+    "kv_pool_size": (("connector", "kv_pool_size_gib"), float),
 }
 _ROLE_FLAGS = {"encoders": "encoder", "prefills": "prefill", "decodes": "decode", "mixed": "mixed"}
 

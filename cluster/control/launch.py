@@ -234,6 +234,7 @@ def _idle(stats: dict[str, Any]) -> bool:
         "num_deferred",
         "num_pending_sends",
         "num_pending_recvs",
+        "kv_pool_pending_loads",
         "num_streams",
         "num_encoder_cache_refs",
         "num_stage_clocks",
