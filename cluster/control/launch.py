@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from actors.front import STATS_TIMEOUT_S, Front
+from actors.kv_pool import kv_pool_actor_name
 from cluster.config import ClusterConfig, RaySettings
 from cluster.control.pool import READY_TIMEOUT_S, PlacementTimeout, PoolController
 from engine.llm import RequestOutput, merge_output, new_request_output
@@ -193,6 +194,15 @@ class Cluster:
 
     async def planner_state(self) -> dict[str, Any]:
         return await self.controller.planner_state.remote()
+
+    async def kv_pool_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> dict[str, Any] | None:
+        """The cluster KV pool's stats (bytes, entries, evictions, ...); None when the pool
+        is off or does not answer within `timeout_s`."""
+        try:
+            pool = ray.get_actor(kv_pool_actor_name(self.pool))
+            return await asyncio.wait_for(pool.stats.remote(), timeout_s)
+        except (ValueError, ray.exceptions.RayError, asyncio.TimeoutError):
+            return None
 
     def shutdown(self) -> None:
         """Detach this client; end the pool when it is ours. An embedded Ray ends with every
