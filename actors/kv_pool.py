@@ -17,6 +17,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
+from actors.kv_events import KVEventLog
+from actors.messages import KVEvents
 from connectors.kv_pool_index import KVPoolIndex, PoolHit
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class KVPoolActor:
     def __init__(self, capacity_bytes: int, pin_s: float) -> None:
         logging.basicConfig(level=logging.INFO)
         self.index = KVPoolIndex(capacity_bytes, pin_s)
+        self._events = KVEventLog()
         self._num_failed_publishes = 0
         self._num_bytes_published = 0
         logger.info("KV pool: %.2f GiB", capacity_bytes / GiB)
@@ -80,6 +83,13 @@ class KVPoolActor:
 
     async def release(self, lookup_id: int) -> None:
         self.index.release(lookup_id)
+
+    async def events(self, epoch: str | None = None, events_after: int = -1) -> KVEvents:
+        """The blocks that became reachable here or stopped being so after a reader's cursor
+        (`epoch`, `events_after`: from its previous answer), as instances' KV events are:
+        routers know from these which prefixes any P can load instead of computing."""
+        self._events.extend(self.index.take_events())
+        return self._events.since(epoch, events_after)
 
     async def object_ids(self) -> list[str]:
         """Hex ids of the objects held (what a leak check may find in the store)."""

@@ -355,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.elastic import main as elastic_main
 
         return elastic_main([a for a in argv[1:] if a != "--elastic"])
+    if argv[:1] == ["bench"] and "--sessions" in argv:  # KV pool off vs on (its own parser)
+        from benchmarks.sessions import main as sessions_main
+
+        return sessions_main([a for a in argv[1:] if a != "--sessions"])
     if argv[:1] == ["bench"]:  # the benchmark has its own parser (and --help)
         from benchmarks.bench import main as bench_main
 

@@ -79,6 +79,9 @@ class KVPoolIndex:
         self._ids = itertools.count(1)
         self.num_bytes = 0
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        # (stored, block hash) as blocks become reachable or not, for routers (the pool's
+        # tier of the KV events instances publish); drained by `take_events`.
+        self._events: list[tuple[bool, int]] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -104,7 +107,9 @@ class KVPoolIndex:
         entry_id = next(self._ids)
         self._entries[entry_id] = _Entry(refs, tuple(run_lengths), keys, nbytes)
         for row, key in enumerate(keys):
-            self._where.setdefault(key, (entry_id, row))
+            if key not in self._where:
+                self._where[key] = (entry_id, row)
+                self._events.append((True, key[1]))
         self.num_bytes += nbytes
         self._counters["num_publishes"] += 1
         return True
@@ -127,6 +132,7 @@ class KVPoolIndex:
         for row, key in enumerate(entry.keys):
             if self._where.get(key) == (entry_id, row):
                 del self._where[key]
+                self._events.append((False, key[1]))
         self.num_bytes -= entry.nbytes
         self._counters["num_evictions"] += 1
 
@@ -179,6 +185,10 @@ class KVPoolIndex:
         now = self._clock()
         for lookup_id in [i for i, pin in self._pins.items() if pin.deadline_s <= now]:
             self.release(lookup_id)
+
+    def take_events(self) -> list[tuple[bool, int]]:
+        events, self._events = self._events, []
+        return events
 
     def refs(self) -> list[Any]:
         """Every object held, oldest first."""

@@ -13,6 +13,7 @@ from actors.kv_pool import KVPoolActor
 from connectors.kv_pool_index import KVPoolIndex
 from connectors.ray_kv_pool import RayKVPoolConnector
 from engine import LLM, SamplingParams
+from routing.policy import RouterConfig, RouterPolicy, block_hashes
 from tests.cluster_utils import assert_clean, kv_pool_actor, live_object_ids, start, wait_until
 
 BLOCK_SIZE = 4
@@ -77,6 +78,25 @@ def test_an_entry_of_blocks_held_already_or_too_large_is_not_kept():
     ]
     with pytest.raises(ValueError):
         index.add("L", [1, 2], ["e"], (3,), nbytes=1)
+
+
+# ---- routing with the pool's tier --------------------------------------------------------------
+def test_a_prefix_the_pool_holds_draws_requests_less_than_one_only_a_p_holds():
+    shared, tail = list(range(1000, 1032)), list(range(9000, 9008))  # 8 blocks, then 2
+    policy = RouterPolicy(
+        {"P0": "prefill", "P1": "prefill", "D0": "decode"},
+        RouterConfig(block_size=BLOCK_SIZE, prefix_slack_tokens=48),
+    )
+    policy.on_prefill_start("P0", shared)  # P0 caches the prefix and queues 32 tokens
+    assert policy.plan(shared + tail).prefill_id == "P0"  # 32 <= 48 of slack
+    hashes = block_hashes(shared, BLOCK_SIZE)
+    policy.apply_pool_events(hashes, [], reset=False)
+    # P1 would load the prefix from the pool: P0 is worth half the slack (24 < 32) now.
+    assert policy.plan(shared + tail).prefill_id == "P1"
+    policy.apply_pool_events([], hashes[4:], reset=False)  # the pool lost its second half
+    assert policy.plan(shared + tail).prefill_id == "P0"  # (8 - 4 * 0.5) / 8 * 48 = 36 >= 32
+    policy.apply_pool_events([], [], reset=True)
+    assert not policy.pool_blocks
 
 
 # ---- engines sharing a pool --------------------------------------------------------------------
@@ -243,6 +263,7 @@ def test_a_follow_up_turn_on_2p1d_loads_the_reply_that_d_published(
         assert turn1.token_ids == reference(PROMPT)
         # P published the prompt's 9 full blocks, D the block its reply filled.
         assert wait_until(lambda: pool_stats(pool)["num_blocks"] == 10)
+        assert wait_until(lambda: len(cluster.front.policy.pool_blocks) == 10)  # the router's view
 
         follow_up = [*PROMPT, *turn1.token_ids, 7, 8, 9]
         turn2 = cluster.generate([{"prompt_token_ids": follow_up}], PARAMS)[0]
