@@ -19,6 +19,7 @@ from tests.cluster_utils import assert_clean, kv_pool_actor, live_object_ids, st
 BLOCK_SIZE = 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = list(range(5, 42))  # 37 tokens: 9 full blocks
+RESTART_TIMEOUT_S = 120.0  # a restarted instance loads its model again
 
 
 # ---- the index ---------------------------------------------------------------------------------
@@ -251,28 +252,41 @@ def _dead(actor) -> bool:
 
 
 # ---- a cluster ---------------------------------------------------------------------------------
-def test_a_follow_up_turn_on_2p1d_loads_the_reply_that_d_published(
+def test_after_its_p_is_killed_a_follow_up_turn_loads_prompt_and_reply_from_the_pool(
     ray_session, preset_dir, reference
 ):
+    """2P1D: turn 1's P published the prompt, D the reply; that P is killed (and restarts
+    cold). Turn 2 is computed from the pool on whichever P serves it, token for token."""
     path = preset_dir("tiny-llama")
     # decode_prefix_fraction 1: turn 2 is prefilled on a P, never on D from D's own cache.
     with start(path, prefill=2, decode=1, router={"decode_prefix_fraction": 1.0}) as cluster:
         pool = kv_pool_actor(cluster)
-        baseline = live_object_ids()
         turn1 = cluster.generate([{"prompt_token_ids": PROMPT}], PARAMS)[0]
         assert turn1.token_ids == reference(PROMPT)
         # P published the prompt's 9 full blocks, D the block its reply filled.
         assert wait_until(lambda: pool_stats(pool)["num_blocks"] == 10)
         assert wait_until(lambda: len(cluster.front.policy.pool_blocks) == 10)  # the router's view
+        first_p = next(
+            s for s in cluster.stats() if s["role"] == "prefill" and s["kv_pool_publishes"]
+        )
+        ray.kill(cluster.instances[first_p["id"]][1], no_restart=False)
+        assert wait_until(lambda: _restarted(cluster, first_p), RESTART_TIMEOUT_S)
+        baseline = live_object_ids()
 
         follow_up = [*PROMPT, *turn1.token_ids, 7, 8, 9]
         turn2 = cluster.generate([{"prompt_token_ids": follow_up}], PARAMS)[0]
         assert turn2.token_ids == reference(follow_up)
         prefills = [s for s in cluster.stats() if s["role"] == "prefill"]
-        # No P computed the reply's block: whichever P served turn 2 loaded it from the pool.
-        assert sum(s["kv_pool_hit_tokens"] for s in prefills) >= BLOCK_SIZE
+        # No live P holds any of it: all 10 blocks, the reply's included, came from the pool.
+        assert sum(s["kv_pool_hit_tokens"] for s in prefills) == 40
+        assert sum(s["prefix_cache_hits"] for s in prefills) == 0
         assert_clean(cluster, baseline)
         assert pool_stats(pool)["num_pinned_entries"] == 0
         held = set(ray.get(pool.object_ids.remote()))
         assert held
     assert wait_until(lambda: not held & live_object_ids())  # the pool ended with the cluster
+
+
+def _restarted(cluster, before: dict) -> bool:
+    now = next(s for s in cluster.stats() if s["id"] == before["id"])
+    return now["healthy"] and now.get("pid") not in (None, before["pid"])
