@@ -290,3 +290,16 @@ def test_after_its_p_is_killed_a_follow_up_turn_loads_prompt_and_reply_from_the_
 def _restarted(cluster, before: dict) -> bool:
     now = next(s for s in cluster.stats() if s["id"] == before["id"])
     return now["healthy"] and now.get("pid") not in (None, before["pid"])
+
+
+def test_kv_pool_size_flag_and_default():
+    from cluster.cli import build_parser, load_serve_config
+
+    def serve_config(*flags: str):
+        return load_serve_config(build_parser().parse_args(["serve", *flags]))
+
+    assert serve_config().connector.kv_pool_size_gib is None  # on: a share of the store
+    assert serve_config("--kv-pool-size", "0").connector.kv_pool_size_gib == 0  # off
+    assert serve_config("--kv-pool-size", "1.5").connector.kv_pool_size_gib == 1.5
+    with pytest.raises(ValueError, match="kv_pool_size_gib"):
+        serve_config("--kv-pool-size", "-1")
