@@ -38,7 +38,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from actors.messages import PullReply, RequestTrace, Route, StageTimes
+from actors.messages import KVEvents, PullReply, RequestTrace, Route, StageTimes
 from actors.pixels import by_reference
 from actors.replies import Replies
 from actors.streams import PULL_WAIT_S
@@ -103,15 +103,20 @@ class _Flight:
 
 class Front:
     """`members`: a callable returning {instance id: role}, or None when it cannot tell
-    (polled for joins and leaves)."""
+    (polled for joins and leaves). `kv_pool_events`: a callable returning the cluster KV
+    pool's events after a cursor (epoch, cursor), or None when it cannot tell (polled as
+    the membership is; absent when there is no pool)."""
 
     def __init__(
         self,
         members: Callable[[], dict[str, str] | None],
         config: RouterConfig,
         report_latency: Callable[[float | None, float | None], None] | None = None,
+        kv_pool_events: Callable[[str | None, int], KVEvents | None] | None = None,
     ) -> None:
         self.config = config
+        self._kv_pool_events = kv_pool_events
+        self._kv_pool_cursor: tuple[str | None, int] = (None, -1)
         self.replica_id = f"front-{uuid.uuid4().hex[:12]}"
         self._members = members
         self._report_latency = report_latency  # this replica's TTFT/TPOT p90, to the planner
@@ -556,6 +561,7 @@ class Front:
             await asyncio.sleep(MEMBERS_POLL_S)
             try:
                 await self._sync_members_async()
+                await self._sync_kv_pool_async()
                 if self._report_latency and round_index % LATENCY_REPORT_ROUNDS == 0:
                     await asyncio.get_running_loop().run_in_executor(
                         None, self._report_latency, *self.latency_p90()
@@ -569,6 +575,19 @@ class Front:
         lookup = self._members_with_handles
         members, handles = await asyncio.get_running_loop().run_in_executor(None, lookup)
         self._apply_members(members, handles)
+
+    async def _sync_kv_pool_async(self) -> None:
+        """Read the cluster KV pool's events since the last read (a blocking Ray call, off
+        the loop) into the routing policy."""
+        if self._kv_pool_events is None:
+            return
+        read = self._kv_pool_events
+        events = await asyncio.get_running_loop().run_in_executor(None, read, *self._kv_pool_cursor)
+        if events is None:
+            return
+        reset = events.reset or events.epoch != self._kv_pool_cursor[0]
+        self.policy.apply_pool_events(events.stored, events.removed, reset)
+        self._kv_pool_cursor = (events.epoch, events.cursor)
 
     def _sync_members(self) -> None:
         self._apply_members(*self._members_with_handles())

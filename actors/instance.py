@@ -34,8 +34,11 @@ from actors.messages import LoadReport, PullReply, Route, StageTimes
 from actors.pixels import prefetch
 from actors.stage_clock import StageClock
 from actors.streams import PULL_WAIT_S, Outboxes, reap_orphans
+from connectors.base import KVConnectorBase
+from connectors.multi import MultiKVConnector
 from connectors.ray_ec import RayECConnector
 from connectors.ray_kv import RayKVConnector
+from connectors.ray_kv_pool import RayKVPoolConnector
 from engine.config import EngineConfig
 from engine.core import EngineCore, resolve_device, resolve_dtype
 from engine.encoder_core import EncoderCore
@@ -62,6 +65,7 @@ class InstanceSpec:
     model_name: str  # the id clients use: the `model_name` label of the exported metrics
     kv_lease_s: float = 60.0
     kv_load_timeout_s: float = 60.0
+    kv_pool: str | None = None  # the cluster KV pool's owner actor (None: no pool)
     ec_timeout_s: float = 30.0
     stream_idle_timeout_s: float = 60.0
 
@@ -79,17 +83,32 @@ def build_core(
     dtype = resolve_dtype(spec.engine.dtype, device)
     if spec.role == "encoder":
         return EncoderCore(spec.engine, RayECConnector("producer", spec.ec_timeout_s))
-    kv = None
+    block_size = spec.engine.cache.block_size
+    connectors: list[KVConnectorBase] = []
     if spec.role in ("prefill", "decode"):
-        kv = RayKVConnector(
-            engine_id=spec.instance_id,
-            role="producer" if spec.role == "prefill" else "consumer",
-            block_size=spec.engine.cache.block_size,
-            lease_s=spec.kv_lease_s,
-            load_timeout_s=spec.kv_load_timeout_s,
+        connectors.append(
+            RayKVConnector(
+                engine_id=spec.instance_id,
+                role="producer" if spec.role == "prefill" else "consumer",
+                block_size=block_size,
+                lease_s=spec.kv_lease_s,
+                load_timeout_s=spec.kv_load_timeout_s,
+            )
         )
+    if spec.kv_pool is not None:
+        pool = ray.get_actor(spec.kv_pool)
+        connectors.append(RayKVPoolConnector(pool, block_size, spec.kv_load_timeout_s))
+    kv = MultiKVConnector(connectors) if len(connectors) > 1 else next(iter(connectors), None)
     ec = RayECConnector("consumer", spec.ec_timeout_s, device, dtype, wake)
     return EngineCore(spec.engine, kv_connector=kv, ec_connector=ec)
+
+
+def handoff_connector(core: EngineCore | EncoderCore) -> RayKVConnector | None:
+    """The connector that hands KV from P to D, if this core has one."""
+    kv = getattr(core, "kv_connector", None)
+    if isinstance(kv, MultiKVConnector):
+        return kv.find(RayKVConnector)
+    return kv if isinstance(kv, RayKVConnector) else None
 
 
 class InstanceActor:
@@ -215,7 +234,7 @@ class InstanceActor:
 
     async def ack_kv(self, request_id: str) -> None:
         """A consumer has read this request's KV (producer role)."""
-        kv = getattr(self.core, "kv_connector", None)
+        kv = handoff_connector(self.core)
         if kv is not None:
             kv.ack(request_id)
             self._inbox.put(("wake", None))  # an idle loop steps to free the blocks

@@ -127,6 +127,7 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "dtype": (("engine", "dtype"), str),
     "sim_time_scale": (("engine", "sim_time_scale"), float),
     "migration_limit": (("router", "migration_limit"), int),
+    "kv_pool_size": (("connector", "kv_pool_size_gib"), float),
 }
 _ROLE_FLAGS = {"encoders": "encoder", "prefills": "prefill", "decodes": "decode", "mixed": "mixed"}
 
@@ -354,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.elastic import main as elastic_main
 
         return elastic_main([a for a in argv[1:] if a != "--elastic"])
+    if argv[:1] == ["bench"] and "--sessions" in argv:  # KV pool off vs on (its own parser)
+        from benchmarks.sessions import main as sessions_main
+
+        return sessions_main([a for a in argv[1:] if a != "--sessions"])
     if argv[:1] == ["bench"]:  # the benchmark has its own parser (and --help)
         from benchmarks.bench import main as bench_main
 

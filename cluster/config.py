@@ -185,6 +185,12 @@ class ConnectorSettings(_Strict):
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="after a failed KV read: prefill on D, or fail the request"
     )
+    kv_pool_size_gib: float | None = Field(
+        None,
+        ge=0,
+        description="capacity of the cluster-wide KV pool in Ray's object store, GiB "
+        "(0: no pool; unset: a share of the object store, KV_POOL_STORE_SHARE)",
+    )
 
 
 class RouterSettings(_Strict):

@@ -112,6 +112,11 @@ class KVConnectorBase(ABC):
         """Requests whose load failed since the last call (policy decides what follows)."""
         return set()
 
+    def load_failure_recomputes(self, request: Request) -> bool:
+        """Whether this request's failed load is recomputed whatever `kv_load_failure_policy`
+        says: True for a cache's load (the KV pool's), False for a prefill's handoff."""
+        return False
+
     def shutdown(self) -> None:  # noqa: B027
         """Release everything this connector holds."""
 

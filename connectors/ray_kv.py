@@ -28,24 +28,16 @@ import concurrent.futures
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 from ray.exceptions import RayError
 
 from connectors.base import KVConnectorBase, KVTransferParams
-from connectors.ray_kv_layout import (
-    Latency,
-    RayKVHandle,
-    consecutive_runs,
-    numpy_compatible,
-    plan_segments,
-)
+from connectors.ray_kv_layout import BlockArrays, Latency, RayKVHandle, plan_segments
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -148,9 +140,7 @@ class RayKVConnector(KVConnectorBase):
         self._ack_sender = ack_sender or _ActorAckSender()
         self._clock = clock  # times loads (and their modeled arrival)
         self._transfer_s: Callable[[int], float] | None = None
-        self._pool: torch.Tensor | None = None  # numpy-compatible view of the KV pool
-        self._pool_np: np.ndarray | None = None  # its NumPy view (CPU pools only)
-        self._pool_dtype = ""
+        self._blocks: BlockArrays | None = None  # the KV pool, once registered
         # Producer: blocks stay referenced until the consumer acks or the lease expires.
         self._sends: dict[str, _PendingSend] = {}
         self._released: set[str] = set()  # acked or cancelled, not yet reported
@@ -174,24 +164,15 @@ class RayKVConnector(KVConnectorBase):
 
     # ---- worker side: pool ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
-        if kv_caches.dim() != 6 or kv_caches.shape[3] != self.block_size:
-            raise ValueError(
-                f"KV pool must be [num_blocks, num_layers, 2, {self.block_size}, kv_heads, "
-                f"head_dim], got {list(kv_caches.shape)}"
-            )
-        if not kv_caches.is_contiguous():
-            raise ValueError("KV pool must be contiguous")
-        self._pool_dtype = str(kv_caches.dtype)
-        self._pool = numpy_compatible(kv_caches)
-        self._pool_np = self._pool.numpy() if self._pool.device.type == "cpu" else None
+        self._blocks = BlockArrays(kv_caches, self.block_size)
 
     def set_modeled_transfer(self, transfer_s: Callable[[int], float]) -> None:
         self._transfer_s = transfer_s
 
-    def _block_shape(self) -> tuple[int, ...]:
-        if self._pool is None:
+    def _block_arrays(self) -> BlockArrays:
+        if self._blocks is None:
             raise RuntimeError("register_kv_caches() must be called before moving KV")
-        return tuple(self._pool.shape[1:])
+        return self._blocks
 
     # ---- producer --------------------------------------------------------------------------
     def request_finished(
@@ -225,13 +206,9 @@ class RayKVConnector(KVConnectorBase):
 
     def _publish(self, request_id: str, block_ids: list[int]) -> RayKVHandle:
         """One ray.put of the blocks' runs; the ref is held until ack, lease or cancel."""
-        block_shape = self._block_shape()
+        blocks = self._block_arrays()
         start_s = time.perf_counter()
-        runs = consecutive_runs(block_ids)
-        if self._pool_np is not None:
-            arrays = [self._pool_np[s : s + n] for s, n in runs]  # views: no gather copy
-        else:  # device pool: stage each run through host memory
-            arrays = [self._pool[s : s + n].cpu().numpy() for s, n in runs]
+        arrays, run_lengths = blocks.runs(block_ids)
         ref = ray.put(arrays)
         nbytes = sum(a.nbytes for a in arrays)
         self._publish_ms.add((time.perf_counter() - start_s) * 1e3)
@@ -241,8 +218,7 @@ class RayKVConnector(KVConnectorBase):
             self._sends[request_id] = _PendingSend(ref, time.monotonic() + self.lease_s, nbytes)
             self._counters["num_sends"] += 1
             self._counters["bytes_sent"] += nbytes
-        run_lengths = tuple(n for _, n in runs)
-        return RayKVHandle(ref, run_lengths, block_shape, self._pool_dtype, nbytes)
+        return RayKVHandle(ref, run_lengths, blocks.block_shape, blocks.dtype, nbytes)
 
     def ack(self, request_id: str) -> None:
         """The consumer has read `request_id`: the object is dropped now, the blocks are
@@ -346,7 +322,7 @@ class RayKVConnector(KVConnectorBase):
         return _check_remote(params, handle, request, self.block_size, self._expected_layout())
 
     def _expected_layout(self) -> tuple[tuple[int, ...], str] | None:
-        return None if self._pool is None else (self._block_shape(), self._pool_dtype)
+        return None if self._blocks is None else self._blocks.layout
 
     def _plan_load(
         self, rid: str, remote: _Remote, block_ids: list[int], num_external: int
@@ -414,7 +390,7 @@ class RayKVConnector(KVConnectorBase):
         """Copy a fetched object into the request's blocks and ack; False when it failed."""
         try:
             arrays = load.future.result()
-            self._copy_in(arrays, load.segments)
+            self._block_arrays().copy_in(arrays, load.segments)
         except (RayError, ValueError, TypeError, IndexError, RuntimeError) as e:
             self._fail(load, f"{type(e).__name__}: {e}")
             return False
@@ -431,19 +407,6 @@ class RayKVConnector(KVConnectorBase):
             self._ack_sender(remote_engine_id, remote_request_id)
         except Exception as e:  # the producer's lease frees its blocks without the ack
             logger.warning("request %r: ack to %r failed: %s", request_id, remote_engine_id, e)
-
-    def _copy_in(self, arrays: list[np.ndarray], segments: list[tuple[int, int, int, int]]) -> None:
-        block_shape = self._block_shape()
-        for array_idx, src, dst, count in segments:
-            source = arrays[array_idx][src : src + count]  # [count, *block_shape]
-            if source.shape != (count, *block_shape):
-                raise ValueError(f"source run has shape {source.shape}, expected {block_shape}")
-            if self._pool_np is not None:
-                np.copyto(self._pool_np[dst : dst + count], source)
-            else:
-                with warnings.catch_warnings():  # read-only store memory, only read from
-                    warnings.simplefilter("ignore", UserWarning)
-                    self._pool[dst : dst + count].copy_(torch.from_numpy(source))
 
     def _fail(self, load: RayKVLoad, reason: str) -> None:
         logger.warning("request %r: remote KV load failed: %s", load.request_id, reason)

@@ -1,11 +1,13 @@
-"""The layout side of the Ray KV connector: the handle a consumer reads, how blocks of the
-pool map to the arrays of one published object, and a latency histogram."""
+"""The layout side of the Ray KV connectors: the handle a consumer reads, how blocks of the
+pool map to the arrays of one published object (`BlockArrays`), and a latency histogram."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
@@ -95,6 +97,53 @@ def plan_segments(
                 continue
         segments.append((array_idx, row, dst, 1))
     return segments
+
+
+class BlockArrays:
+    """An instance's KV pool as the arrays objects carry: views over runs of consecutive
+    blocks to publish (no gather copy on a CPU pool), and copies of fetched runs into blocks."""
+
+    def __init__(self, kv_caches: torch.Tensor, block_size: int) -> None:
+        if kv_caches.dim() != 6 or kv_caches.shape[3] != block_size:
+            raise ValueError(
+                f"KV pool must be [num_blocks, num_layers, 2, {block_size}, kv_heads, "
+                f"head_dim], got {list(kv_caches.shape)}"
+            )
+        if not kv_caches.is_contiguous():
+            raise ValueError("KV pool must be contiguous")
+        self.dtype = str(kv_caches.dtype)
+        self.tensor = numpy_compatible(kv_caches)  # the pool, or its integer view (bf16)
+        self._pool_np = self.tensor.numpy() if self.tensor.device.type == "cpu" else None
+        self.block_shape: tuple[int, ...] = tuple(self.tensor.shape[1:])
+        self.block_nbytes = self.tensor[0].numel() * self.tensor.element_size()
+
+    @property
+    def layout(self) -> tuple[tuple[int, ...], str]:
+        return self.block_shape, self.dtype
+
+    def runs(self, block_ids: list[int]) -> tuple[list[np.ndarray], tuple[int, ...]]:
+        """One array [run_len, *block_shape] per run of consecutive ids, and the run lengths."""
+        runs = consecutive_runs(block_ids)
+        if self._pool_np is not None:
+            arrays = [self._pool_np[s : s + n] for s, n in runs]  # views: no gather copy
+        else:  # device pool: stage each run through host memory
+            arrays = [self.tensor[s : s + n].cpu().numpy() for s, n in runs]
+        return arrays, tuple(n for _, n in runs)
+
+    def copy_in(self, arrays: list[np.ndarray], segments: list[tuple[int, int, int, int]]) -> None:
+        """Copy (array_index, src_row, dst_block, count) segments of `arrays` into blocks."""
+        for array_idx, src, dst, count in segments:
+            source = arrays[array_idx][src : src + count]  # [count, *block_shape]
+            if source.shape != (count, *self.block_shape):
+                raise ValueError(
+                    f"source run has shape {source.shape}, expected {self.block_shape}"
+                )
+            if self._pool_np is not None:
+                np.copyto(self._pool_np[dst : dst + count], source)
+            else:
+                with warnings.catch_warnings():  # read-only store memory, only read from
+                    warnings.simplefilter("ignore", UserWarning)
+                    self.tensor[dst : dst + count].copy_(torch.from_numpy(source))
 
 
 class Latency:

@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from connectors.base import KVConnectorBase
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core import EngineCore
 from engine.outputs import EngineCoreOutput, PromptLogprobs, TopLogprobs
@@ -77,9 +78,15 @@ class LLM:
     a checkpoint folder, a GGUF file, 'smollm2-135m', 'preset:<name>', or None for the
     built-in tiny preset."""
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        kv_connector: KVConnectorBase | None = None,
+        **engine_args: Any,
+    ) -> None:
         model = resolve_model_dir(model)
-        self.engine = EngineCore(engine_config_from_args(model, **engine_args))
+        self.engine = EngineCore(engine_config_from_args(model, **engine_args), kv_connector)
         self.tokenizer = self.engine.tokenizer
         self.processor = InputProcessor(model, self.tokenizer, self.engine.model_info)
         self._ids = itertools.count()

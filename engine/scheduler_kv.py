@@ -49,7 +49,8 @@ class RemoteKV:
             return None
         self._remote_loads.pop(rid, None)
         self._no_remote_kv.add(rid)
-        if self.scheduler_config.kv_load_failure_policy == "recompute":
+        policy = self.scheduler_config.kv_load_failure_policy
+        if policy == "recompute" or self.kv_connector.load_failure_recomputes(request):
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING  # stays in skipped_waiting, prefills here

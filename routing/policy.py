@@ -4,7 +4,9 @@ A decision costs no remote call. Each instance's load is the last one it publish
 every gateway replica's requests) plus what this replica sent or saw finish since then
 (its own optimistic accounting). P is chosen by queued prefill tokens, preferring the
 instance that caches the longest prefix of the prompt (known from the prefix-cache events
-instances publish, and from what this replica sent them); D by KV tokens held. Short
+instances publish, and from what this replica sent them), a block in the cluster KV pool
+(known from the pool's own events) counting for less than one the instance holds and more
+than none, since any instance loads it instead of computing it; D by KV tokens held. Short
 prompts, or prompts mostly cached on a D already, are prefilled on D itself.
 """
 
@@ -18,6 +20,9 @@ from engine.kv_cache_manager import hash_block_tokens, root_hash
 
 ROLE_ENCODER, ROLE_PREFILL, ROLE_DECODE, ROLE_MIXED = "encoder", "prefill", "decode", "mixed"
 DEFAULT_MIGRATION_LIMIT = 3  # moves of one request to other instances after losing its own
+# What a prefix block in the cluster KV pool is worth to an instance that lacks it, against
+# one it caches (1) and one it must compute (0): loading costs a copy, not a forward pass.
+POOL_BLOCK_WEIGHT = 0.5
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,8 @@ class RouterPolicy:
     def __init__(self, roles: dict[str, str], config: RouterConfig | None = None) -> None:
         self.config = config or RouterConfig()
         self.instances = {iid: InstanceLoad(iid, role) for iid, role in roles.items()}
+        # Block hashes the cluster KV pool holds: a tier every P and mixed instance loads from.
+        self.pool_blocks: OrderedDict[int, None] = OrderedDict()
 
     # ---- membership and health ---------------------------------------------------------
     def add_instance(self, instance_id: str, role: str) -> None:
@@ -169,6 +176,17 @@ class RouterPolicy:
             load.cached_blocks[h] = None
         self._bound(load)
 
+    def apply_pool_events(self, stored: Iterable[int], removed: Iterable[int], reset: bool) -> None:
+        """Blocks the cluster KV pool gained and lost; `reset`: `stored` is all it holds."""
+        if reset:
+            self.pool_blocks.clear()
+        for h in removed:
+            self.pool_blocks.pop(h, None)
+        for h in stored:
+            self.pool_blocks[h] = None
+        while len(self.pool_blocks) > self.config.max_tracked_blocks:
+            self.pool_blocks.popitem(last=False)
+
     def _live(self, role: str) -> list[InstanceLoad]:
         return [i for i in self.instances.values() if i.role == role and i.healthy]
 
@@ -210,16 +228,26 @@ class RouterPolicy:
 
     def _pick(self, candidates: list[InstanceLoad], hashes: list[int], load: str) -> InstanceLoad:
         """The least loaded by `load`, or the one caching the longest prefix when its load
-        is within `prefix_slack_tokens` of the least."""
+        is within the slack of the least: `prefix_slack_tokens` times the share of its
+        cached blocks that the least would have to compute (blocks the least loads from the
+        cluster KV pool count POOL_BLOCK_WEIGHT as held), so a prefix any instance can load
+        draws requests less than one only this instance holds."""
         least = self._least(candidates, load)
         if not self.config.prefix_aware or not hashes:
             return least
-        # Longest cached prefix; among equal prefixes, the least loaded.
-        best = max(candidates, key=lambda i: (self._num_cached_blocks(i, hashes), -i.load(load)))
+        num_pooled = self._num_pooled_blocks(hashes)
+
+        def score(i: InstanceLoad) -> float:  # own blocks 1, the pool's beyond them less
+            num_own = self._num_cached_blocks(i, hashes)
+            return num_own + POOL_BLOCK_WEIGHT * max(0, num_pooled - num_own)
+
+        best = max(candidates, key=lambda i: (score(i), -i.load(load)))
+        num_own = self._num_cached_blocks(best, hashes)
+        if num_own == 0:
+            return least
+        share = (score(best) - score(least)) / num_own
         slack = best.load(load) - least.load(load)
-        if self._num_cached_blocks(best, hashes) > 0 and slack <= self.config.prefix_slack_tokens:
-            return best
-        return least
+        return best if share > 0 and slack <= self.config.prefix_slack_tokens * share else least
 
     @staticmethod
     def _least(candidates: list[InstanceLoad], attr: str) -> InstanceLoad | None:
@@ -227,10 +255,10 @@ class RouterPolicy:
 
     @staticmethod
     def _num_cached_blocks(load: InstanceLoad, hashes: list[int]) -> int:
-        n = 0
-        while n < len(hashes) and hashes[n] in load.cached_blocks:
-            n += 1
-        return n
+        return _leading(hashes, load.cached_blocks)
+
+    def _num_pooled_blocks(self, hashes: list[int]) -> int:
+        return _leading(hashes, self.pool_blocks)
 
     # ---- bookkeeping -----------------------------------------------------------------
     def on_prefill_start(
@@ -308,3 +336,11 @@ class RouterPolicy:
     def _bound(self, load: InstanceLoad) -> None:
         while len(load.cached_blocks) > self.config.max_tracked_blocks:
             load.cached_blocks.popitem(last=False)
+
+
+def _leading(hashes: list[int], held: OrderedDict[int, None]) -> int:
+    """How many of `hashes`, from the first, `held` holds."""
+    n = 0
+    while n < len(hashes) and hashes[n] in held:
+        n += 1
+    return n

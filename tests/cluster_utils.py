@@ -14,6 +14,7 @@ import ray
 from PIL import Image
 
 from actors.front import pull_object_ids
+from actors.kv_pool import kv_pool_actor_name
 from cluster.config import ClusterConfig
 from cluster.control.launch import Cluster, launch
 from engine import SamplingParams
@@ -147,13 +148,26 @@ def assert_clean(cluster: Cluster, baseline: set[str], timeout_s: float = 20.0) 
     cluster.wait_idle(timeout_s)
     assert wait_until(lambda: cluster.front.num_in_flight() == 0, timeout_s)
 
-    def leaked() -> set[str]:  # a pull in flight, or a member's actor handle, is no leak
+    # A pull in flight, a member's actor handle, or an entry of the KV pool is no leak.
+    members = [h._actor_id.hex() for _, h in cluster.instances.values()]
+    pool = kv_pool_actor(cluster)
+
+    def leaked() -> set[str]:
         since = time.monotonic()
         live = live_object_ids() - baseline - pull_object_ids(since)
-        members = [h._actor_id.hex() for _, h in cluster.instances.values()]
+        if pool is not None:
+            live -= set(ray.get(pool.object_ids.remote()))
         return {o for o in live if not any(a in o for a in members)}
 
     assert wait_until(lambda: not leaked(), timeout_s), _describe(leaked())
+
+
+def kv_pool_actor(cluster: Cluster) -> ray.actor.ActorHandle | None:
+    """The cluster KV pool's owner actor (None when the pool is off)."""
+    try:
+        return ray.get_actor(kv_pool_actor_name(cluster.pool))
+    except ValueError:
+        return None
 
 
 def _describe(object_ids: set[str]) -> str:

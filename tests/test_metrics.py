@@ -122,6 +122,26 @@ def test_http_statuses_counted(base_url):
         assert grew == 1, labels
 
 
+def test_the_kv_pool_in_metrics_and_the_cluster_view(base_url, baseline):
+    before = scrape(base_url)
+    assert completion(base_url, "a prompt the KV pool keeps " * 4, 5).status_code == 200
+
+    def pool_view() -> dict:
+        return httpx.get(f"{base_url}/v1/cluster").json()["kv_pool"] or {}
+
+    assert wait_until(lambda: pool_view().get("num_bytes", 0) > 0)  # the publish is async
+    pool = pool_view()
+    assert pool["num_bytes"] <= pool["capacity_bytes"] and pool["num_entries"] >= 1
+    after = scrape(base_url)
+    assert value(after, "pdcluster_kv_pool_bytes") > 0
+    assert value(after, "pdcluster_kv_pool_entries") >= 1
+    # P looked the new prompt up (a miss) and published it; D published the reply's blocks.
+    misses = value(after, "pdcluster_kv_pool_misses_total", role="prefill")
+    assert misses - value(before, "pdcluster_kv_pool_misses_total", role="prefill") == 1
+    assert value(after, "pdcluster_kv_pool_published_bytes_total", role="prefill") > 0
+    assert has(after, "pdcluster_kv_pool_load_latency_seconds_count", role="prefill")
+
+
 def test_token_buckets_follow_vllm():
     assert token_buckets(512) == [1, 2, 5, 10, 20, 50, 100, 200, 500]
 

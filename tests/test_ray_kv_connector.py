@@ -119,7 +119,7 @@ def test_round_trip_copies_exact_bytes_into_scattered_blocks(ray, num_computed):
     outcome, recving, failed = load(consumer, request, dst_blocks, num_computed)
     assert outcome == "landed" and recving == {"d1"} and not failed
 
-    src_pool, dst_pool = producer._pool, consumer._pool
+    src_pool, dst_pool = producer._blocks.tensor, consumer._blocks.tensor
     first = num_computed // BLOCK_SIZE
     for src, dst in zip(src_blocks[first:], dst_blocks[first:4], strict=True):
         assert torch.equal(dst_pool[dst], src_pool[src])
@@ -150,7 +150,7 @@ def test_local_object_lands_at_the_first_get_finished(ray):
     consumer.start_load_kv(consumer.build_connector_meta(None))
     assert consumer.get_finished(set()) == (set(), {"d1"})
     assert ack_log.acks == [("prefill-0", "p1")]
-    assert torch.equal(consumer._pool[1:3], producer._pool[4:6])
+    assert torch.equal(consumer._blocks.tensor[1:3], producer._blocks.tensor[4:6])
     assert consumer.stats()["num_pending_recvs"] == 0 and not consumer.has_pending()
     assert drain_sends(producer) == ["p1"]
 
@@ -163,8 +163,8 @@ def test_bf16_pool_round_trip(ray):
     _, params = producer.request_finished(finished_prefill("b1", 2 * BLOCK_SIZE), [4, 1])
     outcome, _, _ = load(consumer, make_request("b1", 2 * BLOCK_SIZE + 1, params), [0, 5, 2])
     assert outcome == "landed"
-    assert torch.equal(consumer._pool[0], producer._pool[4])
-    assert torch.equal(consumer._pool[5], producer._pool[1])
+    assert torch.equal(consumer._blocks.tensor[0], producer._blocks.tensor[4])
+    assert torch.equal(consumer._blocks.tensor[5], producer._blocks.tensor[1])
 
 
 # ---- acks, leases, cancels -------------------------------------------------------------------

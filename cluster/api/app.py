@@ -116,7 +116,8 @@ def create_app(
     @app.get("/v1/cluster")
     async def cluster_view() -> dict[str, Any]:
         stats = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
-        return {"instances": [_instance_view(s) for s in stats]}
+        kv_pool = await cluster.kv_pool_stats(CLUSTER_VIEW_TIMEOUT_S)
+        return {"instances": [_instance_view(s) for s in stats], "kv_pool": kv_pool}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -149,6 +150,7 @@ def create_app(
             metrics.instances.num_moves = cluster.num_moves
             metrics.instances.snapshot = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
             metrics.instances.planner = await asyncio.wait_for(cluster.planner_state(), 5.0)
+            metrics.instances.kv_pool = await cluster.kv_pool_stats(CLUSTER_VIEW_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - serve the request metrics even then
             metrics.instances.snapshot = []
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

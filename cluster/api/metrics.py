@@ -78,7 +78,43 @@ _COUNTERS: dict[str, tuple[str, Callable[[dict[str, Any]], float]]] = {
         lambda s: s.get("leases_expired", 0),
     ),
     "pdcluster_kv_transfers": ("KV loads completed", lambda s: s.get("num_loads", 0)),
+    "pdcluster_kv_pool_hits": (
+        "Requests that found further blocks in the cluster KV pool",
+        lambda s: s.get("kv_pool_hits", 0),
+    ),
+    "pdcluster_kv_pool_hit_tokens": (
+        "Tokens loaded from the cluster KV pool instead of computed",
+        lambda s: s.get("kv_pool_hit_tokens", 0),
+    ),
+    "pdcluster_kv_pool_misses": (
+        "Lookups in the cluster KV pool that found nothing further",
+        lambda s: s.get("kv_pool_misses", 0),
+    ),
+    "pdcluster_kv_pool_failed_loads": (
+        "Loads from the cluster KV pool that failed (recomputed)",
+        lambda s: s.get("kv_pool_failed_loads", 0),
+    ),
+    "pdcluster_kv_pool_published_bytes": (
+        "KV bytes this instance published to the cluster KV pool",
+        lambda s: s.get("kv_pool_bytes_published", 0),
+    ),
 }
+# The cluster KV pool's own series: metric name -> (kind, help, its stats key).
+_KV_POOL: dict[str, tuple[type, str, str]] = {
+    "pdcluster_kv_pool_bytes": (GaugeMetricFamily, "Bytes the cluster KV pool holds", "num_bytes"),
+    "pdcluster_kv_pool_capacity_bytes": (
+        GaugeMetricFamily, "The cluster KV pool's capacity", "capacity_bytes",
+    ),
+    "pdcluster_kv_pool_entries": (
+        GaugeMetricFamily, "Objects (runs of blocks) the cluster KV pool holds", "num_entries",
+    ),
+    "pdcluster_kv_pool_blocks": (
+        GaugeMetricFamily, "KV blocks the cluster KV pool holds", "num_blocks",
+    ),
+    "pdcluster_kv_pool_evictions": (
+        CounterMetricFamily, "Entries evicted from the cluster KV pool", "num_evictions",
+    ),
+}  # fmt: skip
 _LABELS = ["instance", "role"]
 _VLLM_LABELS = list(instance_metrics.TAG_KEYS)
 
@@ -93,6 +129,7 @@ class _InstanceCollector(Collector):
         self.snapshot: list[dict[str, Any]] = []
         self.planner: dict[str, Any] = {}  # the pool controller's planner_state()
         self.num_moves = 0  # this replica's migrations so far
+        self.kv_pool: dict[str, Any] | None = None  # the cluster KV pool's stats
 
     def collect(self) -> Iterable[Metric]:
         yield from self._pool()
@@ -120,7 +157,21 @@ class _InstanceCollector(Collector):
                 for s in answered:
                     family.add_metric(self._vllm_labels(s), float(one.value(s)))
                 yield family
-        yield self._transfer_latency(answered)
+        yield _latency(
+            "pdcluster_kv_transfer_latency_seconds",
+            "KV load latency on the consumer (start of load to copied into blocks)",
+            "transfer_ms_histogram",
+            answered,
+        )
+        yield _latency(
+            "pdcluster_kv_pool_load_latency_seconds",
+            "Loads from the cluster KV pool (start of load to copied into blocks)",
+            "kv_pool_load_ms_histogram",
+            answered,
+        )
+        for name, (kind, help_text, key) in _KV_POOL.items():
+            if self.kv_pool is not None:
+                yield kind(name, help_text, value=float(self.kv_pool.get(key, 0)))
 
     def _vllm_labels(self, s: dict[str, Any]) -> list[str]:
         return [self.model_name, str(s.get("id")), str(s.get("role"))]
@@ -157,21 +208,20 @@ class _InstanceCollector(Collector):
                 value=self.planner["round_s"],
             )
 
-    def _transfer_latency(self, answered: list[dict[str, Any]]) -> HistogramMetricFamily:
-        """KV load latency on each decode instance, from its connector's histogram."""
-        family = HistogramMetricFamily(
-            "pdcluster_kv_transfer_latency_seconds",
-            "KV load latency on the consumer (start of load to copied into blocks)",
-            labels=_LABELS,
-        )
-        for s in answered:
-            h = s.get("transfer_ms_histogram")
-            if not h:
-                continue
-            buckets = [(str(ms / 1e3), float(n)) for ms, n in zip(h["buckets_ms"], h["counts"])]
-            buckets.append(("+Inf", float(h["count"])))
-            family.add_metric(_labels(s), buckets, sum_value=h["sum_ms"] / 1e3)
-        return family
+
+def _latency(
+    name: str, help_text: str, key: str, answered: list[dict[str, Any]]
+) -> HistogramMetricFamily:
+    """A latency histogram per instance, from the millisecond histogram its stats hold."""
+    family = HistogramMetricFamily(name, help_text, labels=_LABELS)
+    for s in answered:
+        h = s.get(key)
+        if not h:
+            continue
+        buckets = [(str(ms / 1e3), float(n)) for ms, n in zip(h["buckets_ms"], h["counts"])]
+        buckets.append(("+Inf", float(h["count"])))
+        family.add_metric(_labels(s), buckets, sum_value=h["sum_ms"] / 1e3)
+    return family
 
 
 def _labels(s: dict[str, Any]) -> list[str]:

@@ -66,6 +66,8 @@ class ClusterClient(Protocol):
 
     async def planner_state(self) -> dict[str, Any]: ...
 
+    async def kv_pool_stats(self, timeout_s: float = ...) -> dict[str, Any] | None: ...
+
 
 @dataclass
 class Result:

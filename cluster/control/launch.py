@@ -24,6 +24,8 @@ from typing import Any
 import ray
 
 from actors.front import STATS_TIMEOUT_S, Front
+from actors.kv_pool import kv_pool_actor_name
+from actors.messages import KVEvents
 from cluster.config import ClusterConfig, RaySettings
 from cluster.control.pool import READY_TIMEOUT_S, PlacementTimeout, PoolController
 from engine.llm import RequestOutput, merge_output, new_request_output
@@ -67,6 +69,7 @@ class Cluster:
             lambda: _answer_or_none(members.remote()),
             _router_config(config),
             lambda ttft, tpot: report.remote(self.front.replica_id, ttft, tpot),
+            None if config.connector.kv_pool_size_gib == 0 else self._kv_pool_events,
         )
         self._owns_ray = owns_ray
         self._embedded_ray = embedded_ray  # this process started Ray: it all ends with it
@@ -199,6 +202,23 @@ class Cluster:
     async def planner_state(self) -> dict[str, Any]:
         return await self.controller.planner_state.remote()
 
+    def _kv_pool_events(self, epoch: str | None, cursor: int) -> KVEvents | None:
+        """The cluster KV pool's events after (epoch, cursor); None when it does not answer."""
+        try:
+            pool = ray.get_actor(kv_pool_actor_name(self.pool))
+        except ValueError:  # not (yet) up
+            return None
+        return _answer_or_none(pool.events.remote(epoch, cursor))
+
+    async def kv_pool_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> dict[str, Any] | None:
+        """The cluster KV pool's stats (bytes, entries, evictions, ...); None when the pool
+        is off or does not answer within `timeout_s`."""
+        try:
+            pool = ray.get_actor(kv_pool_actor_name(self.pool))
+            return await asyncio.wait_for(pool.stats.remote(), timeout_s)
+        except (ValueError, ray.exceptions.RayError, asyncio.TimeoutError):
+            return None
+
     def shutdown(self) -> None:
         """Detach this client; end the pool when it is ours. An embedded Ray ends with every
         process in it, instances included, so nothing is asked of a cluster that may be
@@ -239,6 +259,7 @@ def _idle(stats: dict[str, Any]) -> bool:
         "num_deferred",
         "num_pending_sends",
         "num_pending_recvs",
+        "kv_pool_pending_loads",
         "num_streams",
         "num_encoder_cache_refs",
         "num_stage_clocks",

@@ -28,6 +28,7 @@ import ray
 from ray.experimental import internal_kv
 
 from actors.instance import InstanceActor, InstanceSpec
+from actors.kv_pool import KVPoolActor, kv_pool_actor_name, kv_pool_capacity_bytes
 from cluster.config import ROLES, ClusterConfig
 from cluster.control.planner import Planner, signals_from_stats
 
@@ -68,6 +69,23 @@ class PoolController:
         self._last_up = 0.0  # when a new instance last answered (bounds the wait for more)
         # gateway replica -> (when, TTFT p90 ms, TPOT p90 ms) it last reported
         self._latencies: dict[str, tuple[float, float | None, float | None]] = {}
+        self._kv_pool = self._start_kv_pool()
+
+    def _start_kv_pool(self) -> ray.actor.ActorHandle | None:
+        """The cluster KV pool's owner (None when its size is 0): detached like the
+        instances, so that it outlives any one of them; it ends with the pool."""
+        size_gib = self.config.connector.kv_pool_size_gib
+        if size_gib == 0:
+            return None
+        capacity = kv_pool_capacity_bytes(size_gib)
+        return (
+            ray.remote(KVPoolActor)
+            .options(
+                name=kv_pool_actor_name(self.pool), get_if_exists=True, num_cpus=0,
+                max_concurrency=1000, lifetime="detached",
+            )
+            .remote(capacity, self.config.connector.kv_load_timeout_s)
+        )  # fmt: skip
 
     # ---- membership (read by every gateway replica) ------------------------------------
     async def start(self) -> dict[str, str]:
@@ -145,6 +163,8 @@ class PoolController:
             self._kill(iid)
         self._members = {}
         internal_kv._internal_kv_del(self._key)
+        if self._kv_pool is not None:
+            ray.kill(self._kv_pool, no_restart=True)
 
     async def _launch(self) -> None:
         if self._members:  # a restarted controller: the pool is up already
@@ -220,6 +240,7 @@ class PoolController:
             model_name=self.config.served_model_name(self.model),
             kv_lease_s=self.config.connector.kv_lease_s,
             kv_load_timeout_s=self.config.connector.kv_load_timeout_s,
+            kv_pool=None if self._kv_pool is None else kv_pool_actor_name(self.pool),
             ec_timeout_s=self.config.connector.ec_timeout_s,
             stream_idle_timeout_s=self.config.router.stream_idle_timeout_s,
         )

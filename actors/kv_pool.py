@@ -1,0 +1,103 @@
+"""The cluster KV pool's owner: one long-lived actor per pool that owns every pooled object.
+
+Ray frees an object when its owner dies, so pooled KV is owned here, not by the instance that
+computed it: a publisher puts its blocks, calls `publish`, and drops its reference; this actor
+copies the object into one of its own (off its event loop) and indexes it
+(`connectors.kv_pool_index`). An instance's death loses nothing; this actor's death loses the
+pool (readers then recompute). Eviction drops the object; Ray's object spilling moves cold
+entries to disk meanwhile, so the store's spill directory is the pool's disk tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+
+from actors.kv_events import KVEventLog
+from actors.messages import KVEvents
+from connectors.kv_pool_index import KVPoolIndex, PoolHit
+
+logger = logging.getLogger(__name__)
+
+# The pool's default capacity: this share of the cluster's object store (the rest carries
+# P->D handoffs, encoder outputs and pixels).
+KV_POOL_STORE_SHARE = 0.5
+GiB = 1024**3
+
+
+def kv_pool_actor_name(pool: str) -> str:
+    return f"{pool}-kvpool"
+
+
+def kv_pool_capacity_bytes(size_gib: float | None) -> int:
+    """Bytes of `size_gib`, or, for None, KV_POOL_STORE_SHARE of the object store."""
+    if size_gib is not None:
+        return int(size_gib * GiB)
+    return int(KV_POOL_STORE_SHARE * ray.cluster_resources().get("object_store_memory", 0))
+
+
+class KVPoolActor:
+    """Wrap with `ray.remote(KVPoolActor)`, named `kv_pool_actor_name(pool)`."""
+
+    def __init__(self, capacity_bytes: int, pin_s: float) -> None:
+        logging.basicConfig(level=logging.INFO)
+        self.index = KVPoolIndex(capacity_bytes, pin_s)
+        self._events = KVEventLog()
+        self._num_failed_publishes = 0
+        self._num_bytes_published = 0
+        logger.info("KV pool: %.2f GiB", capacity_bytes / GiB)
+
+    async def publish(
+        self,
+        layout: str,
+        block_hashes: list[int],
+        refs: list[Any],
+        run_lengths: tuple[int, ...],
+        nbytes: int,
+    ) -> bool:
+        """Own a copy of the publisher's object `refs[0]` (block_hashes[i] in row i) and hold
+        it; False when it was not kept (held already, too large, or the publisher is gone)."""
+        if self.index.capacity_bytes < nbytes:
+            return False
+        try:
+            arrays = await refs[0]
+            own = await asyncio.to_thread(ray.put, arrays)  # the copy this actor owns
+        except RayError as exc:
+            logger.warning("KV pool: a published object is gone: %s", exc)
+            self._num_failed_publishes += 1
+            return False
+        finally:
+            arrays = None
+        kept = self.index.add(layout, block_hashes, [own], tuple(run_lengths), nbytes)
+        self._num_bytes_published += nbytes if kept else 0
+        return kept
+
+    async def lookup(self, layout: str, block_hashes: list[int]) -> PoolHit:
+        """The longest run of `block_hashes`, from the first, held here; pinned until
+        `release` (or its pin lease)."""
+        return self.index.lookup(layout, list(block_hashes))
+
+    async def release(self, lookup_id: int) -> None:
+        self.index.release(lookup_id)
+
+    async def events(self, epoch: str | None = None, events_after: int = -1) -> KVEvents:
+        """The blocks that became reachable here or stopped being so after a reader's cursor
+        (`epoch`, `events_after`: from its previous answer), as instances' KV events are:
+        routers know from these which prefixes any P can load instead of computing."""
+        self._events.extend(self.index.take_events())
+        return self._events.since(epoch, events_after)
+
+    async def object_ids(self) -> list[str]:
+        """Hex ids of the objects held (what a leak check may find in the store)."""
+        return [ref.hex() for ref in self.index.refs()]
+
+    async def stats(self) -> dict[str, int]:
+        return {
+            **self.index.stats(),
+            "num_failed_publishes": self._num_failed_publishes,
+            "bytes_published": self._num_bytes_published,
+        }

@@ -1,0 +1,244 @@
+"""Multi-turn sessions with the cluster KV pool off and on, in one run (`pdcluster bench
+--sessions`).
+
+A session is `--turns` turns: each adds a user message (`--user-tokens` lo,hi random token
+ids) to a history that starts with a `--system-tokens` system prompt and holds every earlier
+message and reply (`--reply-tokens`, greedy, `ignore_eos`). Sessions start at `--session-rate`
+per second (Poisson), and each sends its next turn `--think-s` after its reply ended, so many
+sessions are live at once: more history than the instances' own KV caches (`--num-blocks`
+each) hold. The same sessions (same seed) run on one topology launched twice, the pool off
+(`connector.kv_pool_size_gib: 0`) and on (the default size), each in the same embedded Ray.
+
+Reported per variant: TTFT p50/p90 of first turns and of follow-up turns (client side, from
+submission to the first token), and prompt tokens computed (a request's prompt minus the
+tokens its first-token instance found in a cache: its own or the pool), with the ratios on ÷
+off, and the load average at the start and end of each variant.
+
+    python -m benchmarks.sessions --model smollm2-135m --prefills 2 --decodes 1 \\
+        --sessions 16 --turns 4 --out sessions-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.metrics import percentile
+from benchmarks.report import loadavg
+from benchmarks.targets import embedded_ray
+from engine import SamplingParams
+
+IDLE_TIMEOUT_S = 300.0
+TOKEN_RANGE = (1000, 40000)  # ordinary vocabulary ids of SmolLM2 (no special tokens)
+
+
+@dataclass
+class Turn:
+    session: int
+    index: int
+    num_prompt_tokens: int
+    ttft_s: float
+    num_cached_tokens: int
+
+
+@dataclass
+class Session:
+    index: int
+    start_s: float
+    system: list[int]
+    user_messages: list[list[int]]
+    history: list[int] = field(default_factory=list)
+
+
+def make_sessions(args: argparse.Namespace) -> list[Session]:
+    rng = random.Random(args.seed)
+    lo, hi = args.user_tokens
+    sessions, start_s = [], 0.0
+    for i in range(args.num_sessions):
+        system = [rng.randrange(*TOKEN_RANGE) for _ in range(args.system_tokens)]
+        users = [
+            [rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(lo, hi))]
+            for _ in range(args.turns)
+        ]
+        sessions.append(Session(i, start_s, system, users))
+        start_s += rng.expovariate(args.session_rate)
+    return sessions
+
+
+async def run_session(cluster: Any, session: Session, args: argparse.Namespace) -> list[Turn]:
+    params = SamplingParams(temperature=0.0, max_tokens=args.reply_tokens, ignore_eos=True)
+    history = list(session.system)
+    turns = []
+    for index, user in enumerate(session.user_messages):
+        prompt = [*history, *user]
+        request = cluster.make_request({"prompt_token_ids": prompt}, params)
+        sent_s = time.perf_counter()
+        ttft_s, num_cached, reply = None, 0, []
+        async for out in cluster.stream(request):
+            if out.error:
+                raise RuntimeError(f"session {session.index} turn {index}: {out.error}")
+            if ttft_s is None and out.new_token_ids:
+                ttft_s, num_cached = time.perf_counter() - sent_s, out.num_cached_tokens
+            reply.extend(out.new_token_ids)
+        turns.append(Turn(session.index, index, len(prompt), ttft_s or 0.0, num_cached))
+        history = [*prompt, *reply]
+        await asyncio.sleep(args.think_s)
+    return turns
+
+
+async def run_all(cluster: Any, sessions: list[Session], args: argparse.Namespace) -> list[Turn]:
+    started = time.perf_counter()
+
+    async def one(session: Session) -> list[Turn]:
+        await asyncio.sleep(max(0.0, session.start_s - (time.perf_counter() - started)))
+        return await run_session(cluster, session, args)
+
+    results = await asyncio.gather(*(one(s) for s in sessions))
+    return [t for turns in results for t in turns]
+
+
+def run_variant(args: argparse.Namespace, pool_on: bool) -> dict[str, Any]:
+    from cluster.config import ClusterConfig
+    from cluster.control.launch import launch
+
+    engine = {
+        "block_size": args.block_size,
+        "num_blocks": args.num_blocks,
+        "max_num_seqs": 64,
+        "max_model_len": args.max_model_len,
+    }
+    config = ClusterConfig.load(
+        None,
+        {
+            "model": args.model,
+            "engine": engine,
+            "prefill": {"count": args.prefills, "num_cpus": 1},
+            "decode": {"count": args.decodes, "num_cpus": 1},
+            "connector": {"kv_pool_size_gib": None if pool_on else 0},
+        },
+    )
+    cluster = launch(config)
+    try:
+        load_start = loadavg()
+        wall_s = time.perf_counter()
+        turns = asyncio.run(run_all(cluster, make_sessions(args), args))
+        wall_s = time.perf_counter() - wall_s
+        load_end = loadavg()
+        cluster.wait_idle(IDLE_TIMEOUT_S)
+        pool = asyncio.run(cluster.kv_pool_stats()) if pool_on else None
+        instances = cluster.stats()
+    finally:
+        cluster.shutdown()
+    return summarize(turns, pool_on, wall_s, load_start, load_end, pool, instances)
+
+
+def summarize(
+    turns: list[Turn],
+    pool_on: bool,
+    wall_s: float,
+    load_start: list[float] | None,
+    load_end: list[float] | None,
+    pool: dict[str, Any] | None,
+    instances: list[dict[str, Any]],
+) -> dict[str, Any]:
+    def ttft(selected: list[Turn]) -> dict[str, float | None]:
+        values = [t.ttft_s for t in selected]
+        return {f"p{q}": _ms(percentile(values, q)) for q in (50, 90)}
+
+    first = [t for t in turns if t.index == 0]
+    follow = [t for t in turns if t.index > 0]
+    computed = sum(t.num_prompt_tokens - t.num_cached_tokens for t in follow)
+    return {
+        "variant": "pool on" if pool_on else "pool off",
+        "turns": len(turns),
+        "first_turn_ttft_ms": ttft(first),
+        "follow_up_ttft_ms": ttft(follow),
+        "follow_up_prompt_tokens": sum(t.num_prompt_tokens for t in follow),
+        "follow_up_prompt_tokens_computed": computed,
+        "all_prompt_tokens_computed": sum(t.num_prompt_tokens - t.num_cached_tokens for t in turns),
+        "kv_pool_hit_tokens": sum(s.get("kv_pool_hit_tokens", 0) for s in instances),
+        "kv_pool_mean_load_ms": _mean_of(instances, "kv_pool_mean_load_ms"),
+        "kv_pool": pool,
+        "wall_s": round(wall_s, 1),
+        "load_avg_start": load_start,
+        "load_avg_end": load_end,
+    }
+
+
+def _mean_of(instances: list[dict[str, Any]], key: str) -> float | None:
+    values = [s[key] for s in instances if s.get(key) is not None]
+    return round(sum(values) / len(values), 2) if values else None
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 1)
+
+
+def ratios(off: dict[str, Any], on: dict[str, Any]) -> dict[str, float | None]:
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    return {
+        "follow_up_ttft_p50_off_over_on": ratio(
+            off["follow_up_ttft_ms"]["p50"], on["follow_up_ttft_ms"]["p50"]
+        ),
+        "follow_up_ttft_p90_off_over_on": ratio(
+            off["follow_up_ttft_ms"]["p90"], on["follow_up_ttft_ms"]["p90"]
+        ),
+        "follow_up_tokens_computed_on_over_off": ratio(
+            on["follow_up_prompt_tokens_computed"], off["follow_up_prompt_tokens_computed"]
+        ),
+    }
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError("want LO,HI with 0 < LO <= HI")
+    return lo, hi
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdcluster bench --sessions",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prefills", type=int, default=2)
+    p.add_argument("--decodes", type=int, default=1)
+    p.add_argument("--num-sessions", type=int, default=16, help="sessions in all")
+    p.add_argument("--turns", type=int, default=4, help="turns per session")
+    p.add_argument("--system-tokens", type=int, default=512)
+    p.add_argument("--user-tokens", type=_pair, default=(50, 200), help="LO,HI per message")
+    p.add_argument("--reply-tokens", type=int, default=32)
+    p.add_argument("--session-rate", type=float, default=1.0, help="sessions started per second")
+    p.add_argument("--think-s", type=float, default=1.0, help="pause between reply and turn")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=256, help="KV blocks per instance")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="folder for results.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    with embedded_ray(args.prefills + args.decodes + 1):
+        off, on = (run_variant(args, pool_on) for pool_on in (False, True))
+        result = {"command": argv, "off": off, "on": on, "ratios": ratios(off, on)}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

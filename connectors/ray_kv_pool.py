@@ -1,0 +1,323 @@
+"""KV connector to the cluster KV pool (`actors/kv_pool.py`) in Ray's object store.
+
+Lookup (a P or mixed instance): after the local prefix cache, the pool is asked, without
+waiting, for the longest run of the request's further full blocks (by the engine's block
+hashes). Until it answers, `get_num_new_matched_tokens` says "not known yet" and the
+scheduler passes the request over while others step. A hit is loaded like a P->D handoff:
+`load_async`, the request waits in WAITING_FOR_REMOTE_KVS holding its blocks, the fetched
+runs are copied into them, and the scheduler enters them into the local prefix cache. The
+pool pins a hit's entries until the reader releases them. A hit whose object is gone
+(evicted, its owner lost) fails the load, and the scheduler recomputes: a cache never fails
+a request.
+
+Publish (every role): a request that finished normally publishes the full blocks whose KV it
+holds and the pool, as far as this instance knows, does not: the ones after its local and
+pool hits on P or mixed (the prompt; on mixed the output too), the ones after P's prompt on D
+(the output, so the next turn's prefix includes the reply). One `ray.put` of views over the
+blocks' runs, handed to the pool's owner, which owns a copy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+
+from connectors.base import KVConnectorBase
+from connectors.kv_pool_index import PoolHit
+from connectors.ray_kv import LOCAL_RESOLVE_TIMEOUT_S
+from connectors.ray_kv_layout import BlockArrays, Latency, plan_segments
+from engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+_PUBLISHABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+_COUNTERS = (
+    "kv_pool_hits",
+    "kv_pool_misses",
+    "kv_pool_hit_tokens",
+    "kv_pool_loads",
+    "kv_pool_failed_loads",
+    "kv_pool_publishes",
+    "kv_pool_bytes_published",
+    "kv_pool_bytes_loaded",
+)
+
+
+@dataclass
+class _Hit:
+    """A pool answer for one request: blocks [first_block, first_block + hit.num_blocks)."""
+
+    hit: PoolHit
+    first_block: int
+
+
+@dataclass
+class PoolLoad:
+    """One request's load: per part, its object and (array_index, src_row, dst_block, count)."""
+
+    request_id: str
+    lookup_id: int
+    first_block: int  # the request's first block it fills
+    parts: list[tuple[Any, list[tuple[int, int, int, int]]]]
+    nbytes: int
+    started_s: float = 0.0
+    futures: list[Any] = field(default_factory=list)
+
+
+class RayKVPoolConnector(KVConnectorBase):
+    def __init__(
+        self,
+        pool: Any,
+        block_size: int,
+        load_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if block_size < 1 or load_timeout_s <= 0:
+            raise ValueError("block_size and load_timeout_s must be positive")
+        self.pool = pool  # the owner actor's handle
+        self.block_size = block_size
+        self.load_timeout_s = load_timeout_s
+        self._clock = clock
+        self._blocks: BlockArrays | None = None
+        self._layout = ""
+        self._asking: dict[
+            str, tuple[concurrent.futures.Future, int]
+        ] = {}  # rid -> (answer, first)
+        self._hits: dict[str, _Hit] = {}
+        self._pooled: dict[str, int] = {}  # rid -> leading blocks the pool holds, as far as known
+        self._new_loads: list[PoolLoad] = []
+        self._inflight: dict[str, PoolLoad] = {}
+        self._failed: set[str] = set()
+        self._loading: set[str] = set()  # requests whose KV this connector loaded or loads
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._load_ms = Latency()
+        self._publish_ms = Latency()
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        self._blocks = BlockArrays(kv_caches, self.block_size)
+        self._layout = f"{list(self._blocks.block_shape)}:{self._blocks.dtype}"
+
+    # ---- scheduler side: lookup -----------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        first = num_computed_tokens // self.block_size  # blocks the local cache holds
+        if rid not in self._hits and rid not in self._asking:
+            hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+            self._pooled[rid] = first
+            if self._blocks is None or first >= len(hashes):
+                return 0, False
+            answer = self.pool.lookup.remote(self._layout, hashes[first:]).future()
+            self._asking[rid] = (answer, first)
+        if rid in self._asking:
+            answer, asked_first = self._asking[rid]
+            if not answer.done():
+                return None, False
+            del self._asking[rid]
+            self._take_answer(rid, answer, asked_first)
+        return self._matched(rid, first)
+
+    def _take_answer(self, rid: str, answer: concurrent.futures.Future, first: int) -> None:
+        try:
+            hit = answer.result()
+        except RayError as exc:
+            logger.warning("request %r: KV pool lookup failed: %s", rid, exc)
+            hit = PoolHit(0)
+        self._hits[rid] = _Hit(hit, first)  # a miss too: the request is not asked about again
+        self._counters["kv_pool_hits" if hit.num_blocks else "kv_pool_misses"] += 1
+
+    def _matched(self, rid: str, first: int) -> tuple[int, bool]:
+        """Tokens of the answered hit after the `first` blocks the local cache now holds.
+        A local cache that lost blocks since the question makes the hit unusable."""
+        found = self._hits.get(rid)
+        if found is None or not found.hit.num_blocks:
+            return 0, False
+        end = found.first_block + found.hit.num_blocks
+        if first < found.first_block or first >= end:
+            self._drop_hit(rid)
+            self._pooled[rid] = max(first, self._pooled.get(rid, 0))
+            return 0, False
+        self._pooled[rid] = end
+        return (end - first) * self.block_size, True
+
+    def _drop_hit(self, rid: str) -> None:
+        found = self._hits.pop(rid, None)
+        if found is not None and found.hit.num_blocks:
+            self.pool.release.remote(found.hit.lookup_id)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        if num_external_tokens <= 0:
+            self._drop_hit(rid)
+            return
+        found = self._hits.pop(rid, None)
+        if found is None:
+            return
+        num_blocks = num_external_tokens // self.block_size
+        end = found.first_block + found.hit.num_blocks
+        self._new_loads.append(self._plan_load(rid, found, block_ids, end - num_blocks, end))
+        self._loading.add(rid)
+        self._counters["kv_pool_hit_tokens"] += num_external_tokens
+
+    def _plan_load(
+        self, rid: str, found: _Hit, block_ids: list[int], first: int, end: int
+    ) -> PoolLoad:
+        """Copies of pool blocks [first, end) (absolute block indices) into the request's."""
+        parts = []
+        block = found.first_block
+        nbytes_per_block = self._block_arrays().block_nbytes
+        for part in found.hit.parts:
+            lo, hi = max(block, first), min(block + part.num_blocks, end)
+            if lo < hi:
+                row = part.first_row + lo - block
+                segments = plan_segments(part.run_lengths, row, list(block_ids[lo:hi]))
+                parts.append((part.refs[0], segments))
+            block += part.num_blocks
+        nbytes = (end - first) * nbytes_per_block
+        return PoolLoad(rid, found.hit.lookup_id, first, parts, nbytes)
+
+    def build_connector_meta(self, scheduler_output: Any) -> list[PoolLoad]:
+        loads, self._new_loads = self._new_loads, []
+        return loads
+
+    # ---- worker side: loads ---------------------------------------------------------------
+    def start_load_kv(self, metadata: Any) -> None:
+        """Kick every new load's fetches; waits only for objects already in this node's store
+        to resolve (a fraction of a ms), never for a transfer."""
+        if not isinstance(metadata, list) or not metadata:
+            return
+        refs = list(dict.fromkeys(ref for load in metadata for ref, _ in load.parts))
+        local = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)[0])
+        local_futures = []
+        for load in metadata:
+            load.started_s = self._clock()
+            load.futures = [ref.future() for ref, _ in load.parts]
+            local_futures += [f for (ref, _), f in zip(load.parts, load.futures) if ref in local]
+            self._inflight[load.request_id] = load
+        concurrent.futures.wait(local_futures, timeout=LOCAL_RESOLVE_TIMEOUT_S)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        for rid in finished_req_ids:  # aborted while loading: request_finished never comes
+            self._pooled.pop(rid, None)
+            self._loading.discard(rid)
+        landed: set[str] = set()
+        now = self._clock()
+        for rid, load in list(self._inflight.items()):
+            if all(f.done() for f in load.futures):
+                del self._inflight[rid]
+                if self._land(load):
+                    landed.add(rid)
+            elif now - load.started_s > self.load_timeout_s:
+                del self._inflight[rid]
+                self._fail(load, f"no result within {self.load_timeout_s} s")
+        return set(), landed
+
+    def _land(self, load: PoolLoad) -> bool:
+        blocks = self._block_arrays()
+        try:
+            for future, (_, segments) in zip(load.futures, load.parts, strict=True):
+                blocks.copy_in(future.result(), segments)
+        except (RayError, ValueError, TypeError, IndexError, RuntimeError) as e:
+            self._fail(load, f"{type(e).__name__}: {e}")
+            return False
+        self._release(load)
+        self._load_ms.add((self._clock() - load.started_s) * 1e3)
+        self._counters["kv_pool_loads"] += 1
+        self._counters["kv_pool_bytes_loaded"] += load.nbytes
+        return True
+
+    def _fail(self, load: PoolLoad, reason: str) -> None:
+        logger.warning("request %r: KV pool load failed (recomputing): %s", load.request_id, reason)
+        self._release(load)
+        rid = load.request_id
+        if rid in self._pooled:  # the pool lacks these blocks: the recomputed ones go there
+            self._pooled[rid] = min(self._pooled[rid], load.first_block)
+        self._failed.add(rid)
+        self._counters["kv_pool_failed_loads"] += 1
+
+    def _release(self, load: PoolLoad) -> None:
+        """Drop every reference to the load's objects and unpin them in the pool."""
+        load.futures, load.parts = [], []
+        self.pool.release.remote(load.lookup_id)
+
+    def get_failed_loads(self) -> set[str]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def load_failure_recomputes(self, request: Request) -> bool:
+        return request.request_id in self._loading  # a cache: a lost entry is recomputed
+
+    def needs_polling(self) -> bool:
+        return bool(self._asking or self._new_loads or self._inflight or self._failed)
+
+    # ---- publish ----------------------------------------------------------------------------
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._drop_hit(rid)
+        self._asking.pop(rid, None)
+        self._loading.discard(rid)
+        first = self._pooled.pop(rid, None)
+        if request.status not in _PUBLISHABLE or self._blocks is None:
+            return False, None
+        if first is None:  # never looked up here: on D, P published the prompt's full blocks
+            params = request.kv_transfer_params
+            remote = isinstance(params, dict) and params.get("do_remote_prefill")
+            first = params.get("num_tokens", 0) // self.block_size if remote else 0
+        num_full = min(
+            request.num_computed_tokens // self.block_size,
+            len(request.block_hashes),
+            len(block_ids),
+        )
+        if first < num_full:
+            self._publish(request.block_hashes[first:num_full], block_ids[first:num_full])
+        return False, None
+
+    def _publish(self, block_hashes: list[int], block_ids: list[int]) -> None:
+        """One put of the blocks' runs; the owner copies it, then this reference is dropped."""
+        start_s = time.perf_counter()
+        arrays, run_lengths = self._block_arrays().runs(block_ids)
+        nbytes = sum(a.nbytes for a in arrays)
+        ref = ray.put(arrays)
+        self.pool.publish.remote(self._layout, list(block_hashes), [ref], run_lengths, nbytes)
+        self._publish_ms.add((time.perf_counter() - start_s) * 1e3)
+        self._counters["kv_pool_publishes"] += 1
+        self._counters["kv_pool_bytes_published"] += nbytes
+
+    def _block_arrays(self) -> BlockArrays:
+        if self._blocks is None:
+            raise RuntimeError("register_kv_caches() must be called before moving KV")
+        return self._blocks
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        for rid in list(self._hits):
+            self._drop_hit(rid)
+        for load in [*self._new_loads, *self._inflight.values()]:
+            self._release(load)
+        self._new_loads.clear()
+        self._inflight.clear()
+        self._asking.clear()
+        self._pooled.clear()
+        self._failed.clear()
+        self._loading.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self._counters,
+            "kv_pool_pending_loads": len(self._inflight) + len(self._new_loads),
+            "kv_pool_load_ms_histogram": self._load_ms.histogram(),
+            "kv_pool_mean_load_ms": self._load_ms.mean,
+            "kv_pool_mean_publish_ms": self._publish_ms.mean,
+        }

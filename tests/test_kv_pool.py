@@ -1,0 +1,305 @@
+"""The cluster KV pool: its index (no Ray), and engines sharing prefixes through a real owner
+actor on the session's Ray: a prefix computed on one instance loads on another, eviction,
+and an owner lost mid-load (recompute)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from actors.kv_pool import KVPoolActor
+from connectors.kv_pool_index import KVPoolIndex
+from connectors.ray_kv_pool import RayKVPoolConnector
+from engine import LLM, SamplingParams
+from routing.policy import RouterConfig, RouterPolicy, block_hashes
+from tests.cluster_utils import assert_clean, kv_pool_actor, live_object_ids, start, wait_until
+
+BLOCK_SIZE = 4
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPT = list(range(5, 42))  # 37 tokens: 9 full blocks
+RESTART_TIMEOUT_S = 120.0  # a restarted instance loads its model again
+
+
+# ---- the index ---------------------------------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_hit_is_the_longest_run_from_the_first_hash_across_entries():
+    index = KVPoolIndex(capacity_bytes=1000, pin_s=10)
+    assert index.add("L", [1, 2, 3], ["a"], (2, 1), nbytes=30)
+    assert index.add("L", [4, 5], ["b"], (2,), nbytes=20)
+    hit = index.lookup("L", [2, 3, 4, 9, 5])
+    assert [(p.refs, p.first_row, p.num_blocks) for p in hit.parts] == [
+        (["a"], 1, 2),
+        (["b"], 0, 1),
+    ]
+    assert index.lookup("other layout", [1, 2]).num_blocks == 0
+    assert index.lookup("L", [7, 1]).num_blocks == 0
+
+
+def test_eviction_is_lru_and_spares_pinned_entries():
+    clock = Clock()
+    index = KVPoolIndex(capacity_bytes=100, pin_s=5, clock=clock)
+    index.add("L", [1], ["a"], (1,), nbytes=40)
+    index.add("L", [2], ["b"], (1,), nbytes=40)
+    pinned = index.lookup("L", [1])  # pins "a" and makes it the most recently used
+    assert index.add("L", [3], ["c"], (1,), nbytes=40)  # evicts "b", not the pinned "a"
+    assert index.lookup("L", [2]).num_blocks == 0
+    assert not index.add("L", [4], ["d"], (1,), nbytes=70)  # would not fit even without "c"
+    assert index.lookup("L", [3]).num_blocks == 1  # so "c" was kept
+    index.release(pinned.lookup_id)
+    assert index.add("L", [4], ["d"], (1,), nbytes=60)  # evicts "a", the least recently used
+    assert index.lookup("L", [1]).num_blocks == 0
+    stats = index.stats()
+    assert (stats["num_entries"], stats["num_bytes"], stats["num_evictions"]) == (2, 100, 2)
+    assert index.add("L", [5], ["e"], (1,), nbytes=40)
+    lost = index.lookup("L", [5])
+    clock.now = 6  # a reader that never released: its pin lease ran out
+    assert index.add("L", [6], ["f"], (1,), nbytes=70)
+    assert index.lookup("L", [5]).num_blocks == 0 and lost.num_blocks == 1
+
+
+def test_an_entry_of_blocks_held_already_or_too_large_is_not_kept():
+    index = KVPoolIndex(capacity_bytes=100, pin_s=5)
+    assert index.add("L", [1, 2], ["a"], (2,), nbytes=20)
+    assert not index.add("L", [1, 2], ["b"], (2,), nbytes=20)
+    assert not index.add("L", [9], ["c"], (1,), nbytes=101)
+    assert index.add("L", [1, 2, 3], ["d"], (3,), nbytes=30)  # block 3 is new
+    hit = index.lookup("L", [1, 2, 3])
+    assert [(p.refs, p.first_row, p.num_blocks) for p in hit.parts] == [
+        (["a"], 0, 2),
+        (["d"], 2, 1),
+    ]
+    with pytest.raises(ValueError):
+        index.add("L", [1, 2], ["e"], (3,), nbytes=1)
+
+
+# ---- routing with the pool's tier --------------------------------------------------------------
+def test_a_prefix_the_pool_holds_draws_requests_less_than_one_only_a_p_holds():
+    shared, tail = list(range(1000, 1032)), list(range(9000, 9008))  # 8 blocks, then 2
+    policy = RouterPolicy(
+        {"P0": "prefill", "P1": "prefill", "D0": "decode"},
+        RouterConfig(block_size=BLOCK_SIZE, prefix_slack_tokens=48),
+    )
+    policy.on_prefill_start("P0", shared)  # P0 caches the prefix and queues 32 tokens
+    assert policy.plan(shared + tail).prefill_id == "P0"  # 32 <= 48 of slack
+    hashes = block_hashes(shared, BLOCK_SIZE)
+    policy.apply_pool_events(hashes, [], reset=False)
+    # P1 would load the prefix from the pool: P0 is worth half the slack (24 < 32) now.
+    assert policy.plan(shared + tail).prefill_id == "P1"
+    policy.apply_pool_events([], hashes[4:], reset=False)  # the pool lost its second half
+    assert policy.plan(shared + tail).prefill_id == "P0"  # (8 - 4 * 0.5) / 8 * 48 = 36 >= 32
+    policy.apply_pool_events([], [], reset=True)
+    assert not policy.pool_blocks
+
+
+# ---- engines sharing a pool --------------------------------------------------------------------
+@pytest.fixture
+def make_pool(ray_session):
+    """Factory of owner actors (capacity in bytes); every one is killed after the test."""
+    actors = []
+
+    def make(capacity_bytes: int = 256 * 1024 * 1024):
+        actor = ray.remote(KVPoolActor).options(num_cpus=0).remote(capacity_bytes, 30.0)
+        actors.append(actor)
+        return actor
+
+    yield make
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
+def pooled_llm(path: str, pool, **engine_args) -> LLM:
+    """An offline engine whose KV connector is the pool's."""
+    return LLM(
+        path,
+        kv_connector=RayKVPoolConnector(pool, BLOCK_SIZE),
+        block_size=BLOCK_SIZE,
+        **engine_args,
+    )
+
+
+def run(llm: LLM, prompt: list[int]):
+    return llm.generate({"prompt_token_ids": prompt}, PARAMS)[0]
+
+
+def pool_stats(pool) -> dict:
+    return ray.get(pool.stats.remote())
+
+
+def assert_all_free(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    assert stats["kv_pool_pending_loads"] == 0
+
+
+@pytest.fixture(scope="module")
+def reference(preset_dir):
+    """Colocated, no prefix cache and no pool: the tokens every path must match."""
+    llm = LLM(preset_dir("tiny-llama"), block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    return lambda prompt: run(llm, prompt).outputs[0].token_ids
+
+
+def test_a_prefix_computed_on_one_instance_is_loaded_on_another(preset_dir, make_pool, reference):
+    path, pool = preset_dir("tiny-llama"), make_pool()
+    first, second = pooled_llm(path, pool), pooled_llm(path, pool)
+    turn1 = run(first, PROMPT)
+    assert turn1.outputs[0].token_ids == reference(PROMPT)
+    # The first instance published prompt and output: 37 + 6 tokens, 10 full blocks computed.
+    assert wait_until(lambda: pool_stats(pool)["num_blocks"] == 10)
+
+    follow_up = [*PROMPT, *turn1.outputs[0].token_ids, 7, 8, 9]
+    turn2 = run(second, follow_up)
+    assert turn2.outputs[0].token_ids == reference(follow_up)
+    assert turn2.num_cached_tokens == 40  # every full block the first computed, the reply's too
+    stats = second.engine.stats()
+    assert (stats["kv_pool_hits"], stats["kv_pool_hit_tokens"]) == (1, 40)
+    assert stats["prefix_cache_hits"] == 0  # nothing came from its own cache
+    again = run(second, [*follow_up, 10])  # now from its own prefix cache, not the pool
+    assert again.num_cached_tokens >= 40 and second.engine.stats()["kv_pool_hits"] == 1
+    for llm in (first, second):
+        assert_all_free(llm)
+    assert pool_stats(pool)["num_pinned_entries"] == 0
+
+
+def test_a_small_pool_evicts_the_least_recently_used(preset_dir, make_pool, reference):
+    path = preset_dir("tiny-llama")
+    probe = pooled_llm(path, make_pool())
+    run(probe, PROMPT)
+    entry_bytes = probe.engine.stats()["kv_pool_bytes_published"]
+    pool = make_pool(int(entry_bytes * 1.5))  # room for one such entry, not two
+    writer = pooled_llm(path, pool)
+    other = [p + 100 for p in PROMPT]
+    run(writer, PROMPT)
+    assert wait_until(lambda: pool_stats(pool)["num_entries"] == 1)
+    run(writer, other)
+    assert wait_until(lambda: pool_stats(pool)["num_evictions"] == 1)
+    assert pool_stats(pool)["num_bytes"] <= pool_stats(pool)["capacity_bytes"]
+
+    reader = pooled_llm(path, pool)
+    kept = run(reader, [*other, 1])  # first: its publish (2 new blocks) evicts nothing
+    evicted = run(reader, [*PROMPT, 1])
+    assert (evicted.num_cached_tokens, kept.num_cached_tokens) == (0, 36)
+    assert evicted.outputs[0].token_ids == reference([*PROMPT, 1])
+    assert kept.outputs[0].token_ids == reference([*other, 1])
+    assert reader.engine.stats()["kv_pool_misses"] == 1
+    assert_all_free(reader)
+
+
+def test_an_object_lost_mid_load_means_recompute_and_a_lost_owner_misses(
+    preset_dir, make_pool, reference
+):
+    path, pool = preset_dir("tiny-llama"), make_pool()
+    run(pooled_llm(path, pool), PROMPT)
+    assert wait_until(lambda: pool_stats(pool)["num_entries"] == 1)
+    reader = pooled_llm(path, pool, kv_load_failure_policy="fail")  # a handoff's, not a cache's
+    connector = reader.engine.kv_connector
+    start_load_kv = connector.start_load_kv
+
+    def objects_lost_first(metadata):  # the hit was answered; its objects are gone now
+        for load in metadata or ():
+            load.parts = [(lost_object(), segments) for _, segments in load.parts]
+        start_load_kv(metadata)
+
+    connector.start_load_kv = objects_lost_first
+    out = run(reader, [*PROMPT, 1])
+    assert out.outputs[0].token_ids == reference([*PROMPT, 1])
+    stats = reader.engine.stats()
+    assert (stats["kv_pool_hits"], stats["kv_pool_failed_loads"], stats["kv_pool_loads"]) == (
+        1,
+        1,
+        0,
+    )
+    assert_all_free(reader)
+    # With the owner gone, lookups fail fast and count as misses: nothing waits on it.
+    ray.kill(pool, no_restart=True)
+    assert wait_until(lambda: _dead(pool))
+    assert run(reader, [p + 1 for p in PROMPT]).outputs[0].token_ids == reference(
+        [p + 1 for p in PROMPT]
+    )
+    assert reader.engine.stats()["kv_pool_misses"] == 1
+
+
+@ray.remote(num_cpus=0)
+class _Never:
+    async def value(self) -> None:
+        await asyncio.sleep(3600)
+
+
+def lost_object() -> ray.ObjectRef:
+    """A reference whose object will never exist: its creator died first. (On one node an
+    owner's death does not lose an object a borrower still references, so the test cannot
+    lose a pooled object any other way.)"""
+    creator = _Never.remote()
+    ref = creator.value.remote()
+    ray.kill(creator, no_restart=True)
+    return ref
+
+
+def _dead(actor) -> bool:
+    try:
+        ray.get(actor.stats.remote(), timeout=5)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+# ---- a cluster ---------------------------------------------------------------------------------
+def test_after_its_p_is_killed_a_follow_up_turn_loads_prompt_and_reply_from_the_pool(
+    ray_session, preset_dir, reference
+):
+    """2P1D: turn 1's P published the prompt, D the reply; that P is killed (and restarts
+    cold). Turn 2 is computed from the pool on whichever P serves it, token for token."""
+    path = preset_dir("tiny-llama")
+    # decode_prefix_fraction 1: turn 2 is prefilled on a P, never on D from D's own cache.
+    with start(path, prefill=2, decode=1, router={"decode_prefix_fraction": 1.0}) as cluster:
+        pool = kv_pool_actor(cluster)
+        turn1 = cluster.generate([{"prompt_token_ids": PROMPT}], PARAMS)[0]
+        assert turn1.token_ids == reference(PROMPT)
+        # P published the prompt's 9 full blocks, D the block its reply filled.
+        assert wait_until(lambda: pool_stats(pool)["num_blocks"] == 10)
+        assert wait_until(lambda: len(cluster.front.policy.pool_blocks) == 10)  # the router's view
+        first_p = next(
+            s for s in cluster.stats() if s["role"] == "prefill" and s["kv_pool_publishes"]
+        )
+        ray.kill(cluster.instances[first_p["id"]][1], no_restart=False)
+        assert wait_until(lambda: _restarted(cluster, first_p), RESTART_TIMEOUT_S)
+        baseline = live_object_ids()
+
+        follow_up = [*PROMPT, *turn1.token_ids, 7, 8, 9]
+        turn2 = cluster.generate([{"prompt_token_ids": follow_up}], PARAMS)[0]
+        assert turn2.token_ids == reference(follow_up)
+        prefills = [s for s in cluster.stats() if s["role"] == "prefill"]
+        # No live P holds any of it: all 10 blocks, the reply's included, came from the pool.
+        assert sum(s["kv_pool_hit_tokens"] for s in prefills) == 40
+        assert sum(s["prefix_cache_hits"] for s in prefills) == 0
+        assert_clean(cluster, baseline)
+        assert pool_stats(pool)["num_pinned_entries"] == 0
+        held = set(ray.get(pool.object_ids.remote()))
+        assert held
+    assert wait_until(lambda: not held & live_object_ids())  # the pool ended with the cluster
+
+
+def _restarted(cluster, before: dict) -> bool:
+    now = next(s for s in cluster.stats() if s["id"] == before["id"])
+    return now["healthy"] and now.get("pid") not in (None, before["pid"])
+
+
+def test_kv_pool_size_flag_and_default():
+    from cluster.cli import build_parser, load_serve_config
+
+    def serve_config(*flags: str):
+        return load_serve_config(build_parser().parse_args(["serve", *flags]))
+
+    assert serve_config().connector.kv_pool_size_gib is None  # on: a share of the store
+    assert serve_config("--kv-pool-size", "0").connector.kv_pool_size_gib == 0  # off
+    assert serve_config("--kv-pool-size", "1.5").connector.kv_pool_size_gib == 1.5
+    with pytest.raises(ValueError, match="kv_pool_size_gib"):
+        serve_config("--kv-pool-size", "-1")
