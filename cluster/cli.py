@@ -126,6 +126,7 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "device": (("engine", "device"), str),
     "dtype": (("engine", "dtype"), str),
     "sim_time_scale": (("engine", "sim_time_scale"), float),
+    "tensor_parallel_size": (("engine", "tensor_parallel_size"), int),
     "migration_limit": (("router", "migration_limit"), int),
 }
 _ROLE_FLAGS = {"encoders": "encoder", "prefills": "prefill", "decodes": "decode", "mixed": "mixed"}

@@ -38,7 +38,7 @@ import ray
 import torch
 from ray.exceptions import RayError
 
-from connectors.base import KVConnectorBase, KVTransferParams
+from connectors.base import HeadShardedKV, KVConnectorBase, KVTransferParams
 from connectors.ray_kv_layout import (
     Latency,
     RayKVHandle,
@@ -151,6 +151,7 @@ class RayKVConnector(KVConnectorBase):
         self._pool: torch.Tensor | None = None  # numpy-compatible view of the KV pool
         self._pool_np: np.ndarray | None = None  # its NumPy view (CPU pools only)
         self._pool_dtype = ""
+        self._shards: HeadShardedKV | None = None  # a tensor-parallel pool: whole blocks
         # Producer: blocks stay referenced until the consumer acks or the lease expires.
         self._sends: dict[str, _PendingSend] = {}
         self._released: set[str] = set()  # acked or cancelled, not yet reported
@@ -185,12 +186,17 @@ class RayKVConnector(KVConnectorBase):
         self._pool = numpy_compatible(kv_caches)
         self._pool_np = self._pool.numpy() if self._pool.device.type == "cpu" else None
 
+    def register_head_shards(self, shards: HeadShardedKV) -> None:
+        self._shards = shards  # handles carry whole blocks, whatever either side's TP
+
     def set_modeled_transfer(self, transfer_s: Callable[[int], float]) -> None:
         self._transfer_s = transfer_s
 
     def _block_shape(self) -> tuple[int, ...]:
         if self._pool is None:
             raise RuntimeError("register_kv_caches() must be called before moving KV")
+        if self._shards is not None:
+            return tuple(self._shards.block_shape)
         return tuple(self._pool.shape[1:])
 
     # ---- producer --------------------------------------------------------------------------
@@ -228,7 +234,11 @@ class RayKVConnector(KVConnectorBase):
         block_shape = self._block_shape()
         start_s = time.perf_counter()
         runs = consecutive_runs(block_ids)
-        if self._pool_np is not None:
+        if self._shards is not None:  # every rank's heads, gathered on this rank
+            arrays = [
+                numpy_compatible(self._shards.read_blocks(s, n)).cpu().numpy() for s, n in runs
+            ]
+        elif self._pool_np is not None:
             arrays = [self._pool_np[s : s + n] for s, n in runs]  # views: no gather copy
         else:  # device pool: stage each run through host memory
             arrays = [self._pool[s : s + n].cpu().numpy() for s, n in runs]
@@ -438,12 +448,16 @@ class RayKVConnector(KVConnectorBase):
             source = arrays[array_idx][src : src + count]  # [count, *block_shape]
             if source.shape != (count, *block_shape):
                 raise ValueError(f"source run has shape {source.shape}, expected {block_shape}")
-            if self._pool_np is not None:
+            if self._pool_np is not None and self._shards is None:
                 np.copyto(self._pool_np[dst : dst + count], source)
-            else:
-                with warnings.catch_warnings():  # read-only store memory, only read from
-                    warnings.simplefilter("ignore", UserWarning)
-                    self._pool[dst : dst + count].copy_(torch.from_numpy(source))
+                continue
+            with warnings.catch_warnings():  # read-only store memory, only read from
+                warnings.simplefilter("ignore", UserWarning)
+                blocks = torch.from_numpy(source)
+                if self._shards is not None:  # each rank keeps its heads
+                    self._shards.write_blocks(dst, blocks)
+                else:
+                    self._pool[dst : dst + count].copy_(blocks)
 
     def _fail(self, load: RayKVLoad, reason: str) -> None:
         logger.warning("request %r: remote KV load failed: %s", load.request_id, reason)

@@ -67,6 +67,8 @@ class EngineCore:
         self.ec_connector = ec_connector
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.runner.kv_cache)
+            if self.tp is not None:
+                kv_connector.register_head_shards(self.tp)
             if isinstance(self.runner, SimRunner):
                 kv_connector.set_modeled_transfer(self.runner.transfer_s)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -89,10 +91,13 @@ class EngineCore:
         if self.tp is not None:
             self.tp.start_cache(self.runner_cache)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
-        return ModelRunner(
+        runner = ModelRunner(
             model, runner_info, self.runner_cache, self.device, self.dtype, self.grammars,
             self.tp,
         )  # fmt: skip
+        if self.tp is not None:
+            self.tp.attach_kv_cache(runner.kv_cache, self.model_info.num_kv_heads)
+        return runner
 
     def _shard(self, config: EngineConfig, model: torch.nn.Module) -> ModelInfo:
         """With tensor_parallel_size > 1: start the other ranks and keep rank 0's shard of

@@ -60,6 +60,10 @@ def check_tp_size(model: nn.Module, world_size: int) -> None:
             )
 
 
+class RankLost(RuntimeError):
+    """A collective failed: another rank of this instance is gone."""
+
+
 class Comm:
     """One rank's view of its instance's process group (gloo on CPU, NCCL on CUDA). Built
     straight on a TCP store, so that several instances may live in one process."""
@@ -72,31 +76,36 @@ class Comm:
         backend = dist.ProcessGroupNCCL if device.type == "cuda" else dist.ProcessGroupGloo
         self.group = backend(self.store, rank, world_size, COLLECTIVE_TIMEOUT)
 
+    def _wait(self, work: dist.Work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise RankLost(f"tensor-parallel rank lost ({self.world_size} ranks): {exc}") from exc
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place."""
-        self.group.allreduce([tensor]).wait()
+        self._wait(self.group.allreduce([tensor]))
         return tensor
 
     def broadcast_object(self, obj: object = None) -> object:
         """Rank 0's `obj` on every rank (pickled: a length, then the bytes)."""
         payload = pickle.dumps(obj) if self.rank == 0 else b""
         length = torch.tensor([len(payload)], dtype=torch.long, device=self.device)
-        self.group.broadcast([length], dist.BroadcastOptions()).wait()
+        self._wait(self.group.broadcast([length], dist.BroadcastOptions()))
         data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         if self.rank == 0:
             data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self.group.broadcast([data], dist.BroadcastOptions()).wait()
+        self._wait(self.group.broadcast([data], dist.BroadcastOptions()))
         return obj if self.rank == 0 else pickle.loads(data.cpu().numpy().tobytes())
 
-    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's [N, C] `tensor` side by side on rank 0 ([N, world_size * C]); None
-        elsewhere."""
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `tensor` (all of one shape), in rank order, on rank 0; None elsewhere."""
         tensor = tensor.contiguous()
         outputs = [[torch.empty_like(tensor) for _ in range(self.world_size)]]
         opts = dist.GatherOptions()
         opts.rootRank = 0
-        self.group.gather(outputs if self.rank == 0 else [], [tensor], opts).wait()
-        return torch.cat(outputs[0], dim=-1) if self.rank == 0 else None
+        self._wait(self.group.gather(outputs if self.rank == 0 else [], [tensor], opts))
+        return outputs[0] if self.rank == 0 else None
 
 
 def make_store(world_size: int) -> dist.TCPStore:
@@ -178,8 +187,8 @@ class VocabParallelHead(nn.Module):
     def collect(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """This rank's shard of the logits of `hidden` [N, hidden], gathered: [N, vocab] on
         rank 0, None elsewhere."""
-        logits = self.comm.gather_rows(self.linear(hidden))  # [N, world * shard]
-        return None if logits is None else logits[:, : self.vocab_size]
+        shards = self.comm.gather(self.linear(hidden))  # world x [N, shard]
+        return None if shards is None else torch.cat(shards, dim=-1)[:, : self.vocab_size]
 
 
 def _all_reduce_output(module: nn.Module, comm: Comm) -> None:
@@ -210,6 +219,29 @@ def _shard_gated_mlp(mlp: GatedMLP, rank: int, world_size: int) -> None:
 def local_num_kv_heads(num_kv_heads: int, comm: Comm) -> int:
     start, end = split_range(num_kv_heads, comm.world_size, comm.rank)
     return end - start
+
+
+# ---- KV blocks across ranks ----------------------------------------------------------
+# A KV cache is [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]; rank r holds
+# the KV heads split_range(num_kv_heads, world_size, r) of every block.
+def gather_kv_heads(blocks: torch.Tensor, num_kv_heads: int, comm: Comm) -> torch.Tensor | None:
+    """This rank's heads of some blocks, joined with every other rank's on rank 0: [count,
+    layers, 2, block_size, num_kv_heads, head_dim] there, None elsewhere."""
+    first, last = split_range(num_kv_heads, comm.world_size, 0)
+    most = last - first  # rank 0 holds the most heads
+    padded = F.pad(blocks, (0, 0, 0, most - blocks.shape[4]))  # equal shapes to gather
+    parts = comm.gather(padded)
+    if parts is None:
+        return None
+    ranges = [split_range(num_kv_heads, comm.world_size, r) for r in range(comm.world_size)]
+    sizes = [b - a for a, b in ranges]
+    return torch.cat([p[..., :n, :] for p, n in zip(parts, sizes, strict=True)], dim=4)
+
+
+def own_kv_heads(blocks: torch.Tensor, num_kv_heads: int, comm: Comm) -> torch.Tensor:
+    """This rank's heads of full-head `blocks` [..., num_kv_heads, head_dim]."""
+    start, end = split_range(num_kv_heads, comm.world_size, comm.rank)
+    return blocks[..., start:end, :]
 
 
 def shard_model(model: LlamaForCausalLM, comm: Comm) -> None:

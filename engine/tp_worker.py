@@ -19,7 +19,15 @@ from engine.attention import AttentionMetadata, allocate_kv_cache
 from engine.config import CacheConfig
 from engine.models.loader import ModelInfo, load_model
 from engine.models.packed_linear import pack_linears
-from engine.parallel import Comm, LogitsRows, local_num_kv_heads, make_store, shard_model
+from engine.parallel import (
+    Comm,
+    LogitsRows,
+    gather_kv_heads,
+    local_num_kv_heads,
+    make_store,
+    own_kv_heads,
+    shard_model,
+)
 
 STOP_TIMEOUT_S = 30.0  # a worker told to stop has exited within this
 
@@ -45,6 +53,22 @@ class StepInputs:
     num_computed_tokens: list[int]
     num_scheduled_tokens: list[int]
     block_tables: list[list[int]]
+
+
+@dataclass(frozen=True)
+class ReadKV:
+    """Rank 0 to the others: gather your heads of blocks [start, start + count)."""
+
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class WriteKV:
+    """Rank 0 to the others: store your heads of these full-head blocks from `start` on."""
+
+    start: int
+    blocks: torch.Tensor  # [count, layers, 2, block_size, num_kv_heads, head_dim]
 
 
 @dataclass(frozen=True)
@@ -79,11 +103,13 @@ def run_worker(spec: WorkerSpec) -> None:
     kv_cache = allocate_kv_cache(
         cache.num_blocks, cache.block_size, local_info(info, comm), dtype, device
     )
-    _serve(model, kv_cache, comm, cache.block_size)
+    _serve(model, kv_cache, comm, cache.block_size, info.num_kv_heads)
 
 
 @torch.inference_mode()
-def _serve(model: torch.nn.Module, kv_cache: torch.Tensor, comm: Comm, block_size: int) -> None:
+def _serve(
+    model: torch.nn.Module, kv_cache: torch.Tensor, comm: Comm, block_size: int, num_kv_heads: int
+) -> None:
     while True:
         msg = comm.broadcast_object()
         if isinstance(msg, StepInputs):
@@ -98,9 +124,20 @@ def _serve(model: torch.nn.Module, kv_cache: torch.Tensor, comm: Comm, block_siz
             model.forward(model.embed_tokens(ids), meta.positions, kv_cache, meta)
         elif isinstance(msg, LogitsRows):
             model.lm_head.collect(msg.hidden.to(comm.device))
+        elif isinstance(msg, ReadKV):
+            gather_kv_heads(kv_cache[msg.start : msg.start + msg.count], num_kv_heads, comm)
+        elif isinstance(msg, WriteKV):
+            write_own_heads(kv_cache, msg.start, msg.blocks, num_kv_heads, comm)
         else:
             assert isinstance(msg, Stop), f"unexpected message {type(msg).__name__}"
             return
+
+
+def write_own_heads(
+    kv_cache: torch.Tensor, start: int, blocks: torch.Tensor, num_kv_heads: int, comm: Comm
+) -> None:
+    own = own_kv_heads(blocks, num_kv_heads, comm).view(kv_cache.dtype)  # bf16 may come as int16
+    kv_cache[start : start + blocks.shape[0]].copy_(own)
 
 
 class TensorParallelGroup:
@@ -134,6 +171,30 @@ class TensorParallelGroup:
 
     def start_cache(self, cache: CacheConfig) -> None:
         self.comm.broadcast_object(cache)
+
+    # ---- KV blocks with every rank's heads: what a KV connector moves -----------------
+    def attach_kv_cache(self, kv_cache: torch.Tensor, num_kv_heads: int) -> None:
+        """Rank 0's own cache, and the model's KV heads on all ranks together."""
+        self.kv_cache, self.num_kv_heads = kv_cache, num_kv_heads
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """[layers, 2, block_size, num_kv_heads, head_dim] of one full-head block."""
+        layers, two, block_size, _, head_dim = self.kv_cache.shape[1:]
+        return (layers, two, block_size, self.num_kv_heads, head_dim)
+
+    def read_blocks(self, start: int, count: int) -> torch.Tensor:
+        """Blocks [start, start + count) with every rank's heads: [count, *block_shape]."""
+        self.comm.broadcast_object(ReadKV(start, count))
+        blocks = self.kv_cache[start : start + count]
+        return gather_kv_heads(blocks, self.num_kv_heads, self.comm)
+
+    def write_blocks(self, start: int, blocks: torch.Tensor) -> None:
+        """Store full-head `blocks` [count, *block_shape] from block `start` on, each rank
+        its heads."""
+        blocks = blocks.contiguous()
+        self.comm.broadcast_object(WriteKV(start, blocks))
+        write_own_heads(self.kv_cache, start, blocks, self.num_kv_heads, self.comm)
 
     def start_step(self, inputs: StepInputs) -> None:
         self.comm.broadcast_object(inputs)
