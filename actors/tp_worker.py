@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 class TPWorkerActor:
     """Wrap with `ray.remote`; `run` serves one rank until its instance stops."""
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def run(self, spec: WorkerSpec) -> None:
         run_worker(spec)
 
@@ -40,6 +43,7 @@ def exit_instance(reason: str) -> None:
 class RayWorkers:
     actors: list[ActorHandle]
     runs: list[ray.ObjectRef]  # each worker's `run`: it returns only when told to stop
+    pids: list[int]
     stopping: threading.Event = field(default_factory=threading.Event)
 
     def watch(self) -> None:
@@ -47,6 +51,10 @@ class RayWorkers:
         ray.wait(self.runs, num_returns=1, timeout=None)
         if not self.stopping.is_set():
             exit_instance("a tensor-parallel worker of this instance died")
+
+    def stats(self) -> dict[str, list]:
+        actor_ids = [a._actor_id.hex() for a in self.actors]  # in the ids of their objects
+        return {"tp_worker_pids": self.pids, "tp_worker_actor_ids": actor_ids}
 
     def stop(self) -> None:
         self.stopping.set()
@@ -72,6 +80,8 @@ def start_ray_workers(specs: list[WorkerSpec]) -> RayWorkers:
         .remote()
         for _ in specs
     ]
-    workers = RayWorkers(actors, [a.run.remote(s) for a, s in zip(actors, specs, strict=True)])
+    pids = ray.get([a.pid.remote() for a in actors])
+    runs = [a.run.remote(s) for a, s in zip(actors, specs, strict=True)]
+    workers = RayWorkers(actors, runs, pids)
     threading.Thread(target=workers.watch, name="tp-watch", daemon=True).start()
     return workers

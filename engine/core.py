@@ -207,7 +207,7 @@ class EngineCore:
 
     def stats(self) -> dict[str, int | float]:
         stats = {**self.scheduler.stats(), "kv_cache_bytes": self.runner.kv_cache.nbytes}
-        for part in (self.runner, self.kv_connector, self.ec_connector):
+        for part in (self.runner, self.kv_connector, self.ec_connector, self.tp):
             stats.update(getattr(part, "stats", dict)())
         return stats
 

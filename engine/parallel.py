@@ -129,11 +129,10 @@ def _sliced_linear(linear: nn.Module, rows: slice, cols: slice, keep_bias: bool)
     `keep_bias`). Works on any module with a dense `.weight` [out, in] and `.bias`."""
     weight = linear.weight.detach()[rows, cols].contiguous()  # [out', in']
     bias = linear.bias
-    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None and keep_bias)
-    out = out.to(weight.device, weight.dtype).requires_grad_(False)
-    out.weight.data = weight
+    out = nn.Linear(*weight.shape[::-1], bias=bias is not None and keep_bias, device="meta")
+    out.weight = nn.Parameter(weight, requires_grad=False)
     if out.bias is not None:
-        out.bias.data = bias.detach()[rows].contiguous()
+        out.bias = nn.Parameter(bias.detach()[rows].contiguous(), requires_grad=False)
     return out
 
 
@@ -176,7 +175,7 @@ class VocabParallelHead(nn.Module):
 
     def __init__(self, weight: nn.Parameter, vocab_size: int, comm: Comm) -> None:
         super().__init__()
-        self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.linear = nn.Linear(*weight.shape[::-1], bias=False, device="meta")
         self.linear.weight = weight  # shared with the embedding when tied
         self.vocab_size, self.comm = vocab_size, comm
 

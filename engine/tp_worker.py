@@ -42,7 +42,7 @@ class WorkerSpec:
     port: int  # rank 0's rendezvous store on 127.0.0.1
     rank: int
     world_size: int
-    num_threads: int  # torch intra-op threads of this rank
+    num_threads: int  # torch intra-op threads of this rank (rank 0's count)
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,9 @@ class Stop:
 
 
 class WorkerHandles(Protocol):
+    def stats(self) -> dict[str, list]:
+        """`tp_worker_pids` (rank 1 first), and whatever else names the workers."""
+
     def stop(self) -> None:
         """Wait for the told-to-stop workers to exit (kill them after STOP_TIMEOUT_S)."""
 
@@ -153,7 +156,7 @@ class TensorParallelGroup:
         launcher: WorkerLauncher,
     ) -> None:
         self.store = make_store(world_size)  # held while the group lives
-        num_threads = max(1, torch.get_num_threads() // world_size)
+        num_threads = torch.get_num_threads()  # each rank as many as rank 0
         specs = [
             WorkerSpec(
                 model,
@@ -199,6 +202,9 @@ class TensorParallelGroup:
     def start_step(self, inputs: StepInputs) -> None:
         self.comm.broadcast_object(inputs)
 
+    def stats(self) -> dict[str, int | list]:
+        return {"tensor_parallel_size": self.comm.world_size, **self.workers.stats()}
+
     def shutdown(self) -> None:
         self.comm.broadcast_object(Stop())
         self.workers.stop()
@@ -207,6 +213,9 @@ class TensorParallelGroup:
 @dataclass
 class LocalProcesses:
     processes: list[multiprocessing.process.BaseProcess]
+
+    def stats(self) -> dict[str, list]:
+        return {"tp_worker_pids": [p.pid for p in self.processes]}
 
     def stop(self) -> None:
         for process in self.processes:
