@@ -137,6 +137,7 @@ SERVE_EXAMPLES = """examples:
   pdcluster serve --config local-1e1p1d          # a built-in topology, by name
   pdcluster serve --config my-topology.yaml --num-blocks 2048
   pdcluster serve --config my-topology.yaml --kv-cache-memory-fraction 0.9   # KV by memory
+  pdcluster serve --model smollm2-135m --tensor-parallel-size 2   # each instance on 2 ranks
   pdcluster serve --address 10.0.0.5:6379 --model /models/m --mixed 2   # an existing Ray
 
 Without --config the topology is exactly the role counts given (none: 1 prefill, 1 decode).

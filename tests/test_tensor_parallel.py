@@ -70,3 +70,17 @@ def test_tp_size_that_cannot_split_is_a_clear_error(preset_dir):
     # tiny-llama has 2 KV heads: 3 ranks cannot each hold one.
     with pytest.raises(ValueError, match="tensor_parallel_size 3 exceeds .*num_key_value_heads 2"):
         LLM(preset_dir("tiny-llama"), tensor_parallel_size=3)
+
+
+def test_tp_size_per_role_and_on_serve():
+    from cluster.cli import build_parser, load_serve_config
+    from cluster.config import ClusterConfig
+
+    config = ClusterConfig.model_validate(
+        {"model": "m", "prefill": {"count": 1, "engine": {"tensor_parallel_size": 2}}}
+    )
+    assert config.engine_config("prefill", "m").tensor_parallel_size == 2
+    assert config.engine_config("decode", "m").tensor_parallel_size == 1
+    args = build_parser().parse_args(["serve", "--model", "m", "--tensor-parallel-size", "2"])
+    served = load_serve_config(args)
+    assert {served.engine_config(r, "m").tensor_parallel_size for r in ("prefill", "decode")} == {2}
