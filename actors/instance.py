@@ -34,6 +34,7 @@ from actors.messages import LoadReport, PullReply, Route, StageTimes
 from actors.pixels import prefetch
 from actors.stage_clock import StageClock
 from actors.streams import PULL_WAIT_S, Outboxes, reap_orphans
+from actors.tp_worker import exit_instance, start_ray_workers
 from connectors.base import KVConnectorBase
 from connectors.multi import MultiKVConnector
 from connectors.ray_ec import RayECConnector
@@ -43,6 +44,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore, resolve_device, resolve_dtype
 from engine.encoder_core import EncoderCore
 from engine.outputs import EngineCoreOutput
+from engine.parallel import RankLost
 from engine.presets import resolve_model_dir
 from engine.request import Request
 from routing.handoff import for_decode, for_prefill
@@ -100,7 +102,7 @@ def build_core(
         connectors.append(RayKVPoolConnector(pool, block_size, spec.kv_load_timeout_s))
     kv = MultiKVConnector(connectors) if len(connectors) > 1 else next(iter(connectors), None)
     ec = RayECConnector("consumer", spec.ec_timeout_s, device, dtype, wake)
-    return EngineCore(spec.engine, kv_connector=kv, ec_connector=ec)
+    return EngineCore(spec.engine, kv_connector=kv, ec_connector=ec, tp_launcher=start_ray_workers)
 
 
 def handoff_connector(core: EngineCore | EncoderCore) -> RayKVConnector | None:
@@ -311,6 +313,8 @@ class InstanceActor:
         started_s = time.time()
         try:
             outputs, model_executed = self.core.step()
+        except RankLost as exc:
+            exit_instance(str(exc))
         except Exception as exc:  # noqa: BLE001 - a step failure must not kill the actor
             logger.exception("step failed on %s", self.spec.instance_id)
             self._fail_all(f"internal error on {self.spec.instance_id}: {exc}")

@@ -126,6 +126,7 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "device": (("engine", "device"), str),
     "dtype": (("engine", "dtype"), str),
     "sim_time_scale": (("engine", "sim_time_scale"), float),
+    "tensor_parallel_size": (("engine", "tensor_parallel_size"), int),
     "migration_limit": (("router", "migration_limit"), int),
     "kv_pool_size": (("connector", "kv_pool_size_gib"), float),
 }
@@ -137,6 +138,7 @@ SERVE_EXAMPLES = """examples:
   pdcluster serve --config local-1e1p1d          # a built-in topology, by name
   pdcluster serve --config my-topology.yaml --num-blocks 2048
   pdcluster serve --config my-topology.yaml --kv-cache-memory-fraction 0.9   # KV by memory
+  pdcluster serve --model smollm2-135m --tensor-parallel-size 2   # each instance on 2 ranks
   pdcluster serve --address 10.0.0.5:6379 --model /models/m --mixed 2   # an existing Ray
 
 Without --config the topology is exactly the role counts given (none: 1 prefill, 1 decode).

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from engine.config import (
     DEFAULT_NUM_BLOCKS,
     DEFAULT_SCHEDULING_POLICY,
+    DEFAULT_TENSOR_PARALLEL_SIZE,
     KV_SIZING_FIELDS,
     CacheConfig,
     EngineConfig,
@@ -149,6 +150,10 @@ class EngineSettings(_Strict):
         "auto", description="'auto': float32 on CPU, bfloat16 on GPU"
     )
     seed: int = Field(0, description="seed for weights-independent randomness")
+    tensor_parallel_size: int = Field(
+        DEFAULT_TENSOR_PARALLEL_SIZE, ge=1, description="ranks each instance's model is sharded "
+        "over (rank 0 in the instance's actor, the others in worker actors on its node)",
+    )  # fmt: skip
     sim_time_scale: float | None = Field(
         None, gt=0, description="a sim: model runs every modeled duration this many times "
         "slower (unset: the profile's time_scale); instance stats count overrun steps",
@@ -396,6 +401,7 @@ class ClusterConfig(_Strict):
             dtype=s.dtype,
             seed=s.seed,
             sim_time_scale=s.sim_time_scale,
+            tensor_parallel_size=s.tensor_parallel_size,
         )
 
     def priority_scheduling(self) -> bool:

@@ -10,13 +10,28 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
 
     from engine.outputs import SchedulerOutput
     from engine.request import Request
+
+
+class HeadShardedKV(Protocol):
+    """The KV pool of a tensor-parallel instance, whose ranks each hold some KV heads: blocks
+    read and written whole, with every rank's heads (the layout of an unsharded pool)."""
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """[num_layers, 2, block_size, num_kv_heads, head_dim] of one whole block."""
+
+    def read_blocks(self, start: int, count: int) -> torch.Tensor:
+        """Blocks [start, start + count): [count, *block_shape]."""
+
+    def write_blocks(self, start: int, blocks: torch.Tensor) -> None:
+        """Store `blocks` [count, *block_shape] from block `start` on."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,11 @@ class KVConnectorBase(ABC):
     # ---- worker side ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:  # noqa: B027
         """The instance's KV pool, [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
+
+    def register_head_shards(self, shards: HeadShardedKV) -> None:
+        """A tensor-parallel instance's whole-block view of its pool (after
+        `register_kv_caches`, which then holds rank 0's heads only)."""
+        raise ValueError(f"{type(self).__name__} cannot move a tensor-parallel instance's KV")
 
     def set_modeled_transfer(self, transfer_s: Callable[[int], float]) -> None:  # noqa: B027
         """A simulated model's link: a load of n tokens is reported finished no earlier than

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from connectors.base import KVConnectorBase
+from connectors.base import HeadShardedKV, KVConnectorBase
 from engine.request import Request
 
 C = TypeVar("C", bound=KVConnectorBase)
@@ -68,6 +68,10 @@ class MultiKVConnector(KVConnectorBase):
     def register_kv_caches(self, kv_caches: Any) -> None:
         for connector in self.connectors:
             connector.register_kv_caches(kv_caches)
+
+    def register_head_shards(self, shards: HeadShardedKV) -> None:
+        for connector in self.connectors:
+            connector.register_head_shards(shards)
 
     def set_modeled_transfer(self, transfer_s: Callable[[int], float]) -> None:
         for connector in self.connectors:

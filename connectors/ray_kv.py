@@ -36,7 +36,7 @@ import ray
 import torch
 from ray.exceptions import RayError
 
-from connectors.base import KVConnectorBase, KVTransferParams
+from connectors.base import HeadShardedKV, KVConnectorBase, KVTransferParams
 from connectors.ray_kv_layout import BlockArrays, Latency, RayKVHandle, plan_segments
 from engine.request import Request, RequestStatus
 
@@ -165,6 +165,9 @@ class RayKVConnector(KVConnectorBase):
     # ---- worker side: pool ---------------------------------------------------------------
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
         self._blocks = BlockArrays(kv_caches, self.block_size)
+
+    def register_head_shards(self, shards: HeadShardedKV) -> None:
+        self._block_arrays().use_head_shards(shards)  # whole blocks, whatever either side's TP
 
     def set_modeled_transfer(self, transfer_s: Callable[[int], float]) -> None:
         self._transfer_s = transfer_s

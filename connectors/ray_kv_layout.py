@@ -3,13 +3,17 @@ pool map to the arrays of one published object (`BlockArrays`), and a latency hi
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
 import torch
+
+if TYPE_CHECKING:
+    from connectors.base import HeadShardedKV
 
 _RAW_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -116,6 +120,14 @@ class BlockArrays:
         self._pool_np = self.tensor.numpy() if self.tensor.device.type == "cpu" else None
         self.block_shape: tuple[int, ...] = tuple(self.tensor.shape[1:])
         self.block_nbytes = self.tensor[0].numel() * self.tensor.element_size()
+        self._shards: HeadShardedKV | None = None
+
+    def use_head_shards(self, shards: HeadShardedKV) -> None:
+        """A tensor-parallel instance (this pool holds rank 0's heads): objects carry whole
+        blocks, every rank's heads, so either side of a handoff may run at any TP size."""
+        self._shards = shards
+        self.block_shape = tuple(shards.block_shape)
+        self.block_nbytes = math.prod(self.block_shape) * self.tensor.element_size()
 
     @property
     def layout(self) -> tuple[tuple[int, ...], str]:
@@ -124,7 +136,10 @@ class BlockArrays:
     def runs(self, block_ids: list[int]) -> tuple[list[np.ndarray], tuple[int, ...]]:
         """One array [run_len, *block_shape] per run of consecutive ids, and the run lengths."""
         runs = consecutive_runs(block_ids)
-        if self._pool_np is not None:
+        if self._shards is not None:  # every rank's heads, gathered on this rank
+            read = self._shards.read_blocks
+            arrays = [numpy_compatible(read(s, n)).cpu().numpy() for s, n in runs]
+        elif self._pool_np is not None:
             arrays = [self._pool_np[s : s + n] for s, n in runs]  # views: no gather copy
         else:  # device pool: stage each run through host memory
             arrays = [self.tensor[s : s + n].cpu().numpy() for s, n in runs]
@@ -138,12 +153,16 @@ class BlockArrays:
                 raise ValueError(
                     f"source run has shape {source.shape}, expected {self.block_shape}"
                 )
-            if self._pool_np is not None:
+            if self._pool_np is not None and self._shards is None:
                 np.copyto(self._pool_np[dst : dst + count], source)
-            else:
-                with warnings.catch_warnings():  # read-only store memory, only read from
-                    warnings.simplefilter("ignore", UserWarning)
-                    self.tensor[dst : dst + count].copy_(torch.from_numpy(source))
+                continue
+            with warnings.catch_warnings():  # read-only store memory, only read from
+                warnings.simplefilter("ignore", UserWarning)
+                blocks = torch.from_numpy(source)
+                if self._shards is not None:  # each rank keeps its heads
+                    self._shards.write_blocks(dst, blocks)
+                else:
+                    self.tensor[dst : dst + count].copy_(blocks)
 
 
 class Latency:

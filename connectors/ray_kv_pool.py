@@ -29,7 +29,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from connectors.base import KVConnectorBase
+from connectors.base import HeadShardedKV, KVConnectorBase
 from connectors.kv_pool_index import PoolHit
 from connectors.ray_kv import LOCAL_RESOLVE_TIMEOUT_S
 from connectors.ray_kv_layout import BlockArrays, Latency, plan_segments
@@ -102,6 +102,11 @@ class RayKVPoolConnector(KVConnectorBase):
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         self._blocks = BlockArrays(kv_caches, self.block_size)
+        self._layout = f"{list(self._blocks.block_shape)}:{self._blocks.dtype}"
+
+    def register_head_shards(self, shards: HeadShardedKV) -> None:
+        """Entries hold whole blocks: instances at any TP size share them."""
+        self._block_arrays().use_head_shards(shards)
         self._layout = f"{list(self._blocks.block_shape)}:{self._blocks.dtype}"
 
     # ---- scheduler side: lookup -----------------------------------------------------------

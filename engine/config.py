@@ -17,6 +17,7 @@ DEFAULT_SCHEDULING_POLICY: SchedulingPolicy = "fcfs"
 
 
 DEFAULT_NUM_BLOCKS = 1024
+DEFAULT_TENSOR_PARALLEL_SIZE = 1  # ranks one instance's model is sharded over
 # The ways to size an instance's KV pool; at most one is set (none: DEFAULT_NUM_BLOCKS).
 KV_SIZING_FIELDS = ("num_blocks", "kv_cache_memory_fraction", "kv_cache_memory_bytes")
 
@@ -85,3 +86,4 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": float32 on cpu, bfloat16 on cuda
     seed: int = 0
     sim_time_scale: float | None = None  # a sim: model's time scale; None: its profile's
+    tensor_parallel_size: int = DEFAULT_TENSOR_PARALLEL_SIZE

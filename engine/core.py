@@ -11,14 +11,16 @@ from connectors.base import ECConnectorBase, KVConnectorBase
 from engine.config import EngineConfig
 from engine.kv_budget import GiB, size_cache
 from engine.model_runner import ModelRunner
-from engine.models.loader import load_model, read_model_info
+from engine.models.loader import ModelInfo, load_model, read_model_info
 from engine.outputs import EngineCoreOutput, KVConnectorOutput, RunnerOutput, SchedulerOutput
+from engine.parallel import check_tp_size, shard_model
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.sim.profile import read_folder_profile, sim_cache
 from engine.sim.runner import SimRunner
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tp_worker import TensorParallelGroup, WorkerLauncher, local_info, start_processes
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,10 @@ class EngineCore:
         config: EngineConfig,
         kv_connector: KVConnectorBase | None = None,
         ec_connector: ECConnectorBase | None = None,
+        tp_launcher: WorkerLauncher = start_processes,  # starts ranks 1.. when sharded
     ) -> None:
+        self.tp_launcher = tp_launcher
+        self.tp: TensorParallelGroup | None = None
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
@@ -62,6 +67,8 @@ class EngineCore:
         self.ec_connector = ec_connector
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.runner.kv_cache)
+            if self.tp is not None:
+                kv_connector.register_head_shards(self.tp)
             if isinstance(self.runner, SimRunner):
                 kv_connector.set_modeled_transfer(self.runner.transfer_s)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -79,13 +86,29 @@ class EngineCore:
                 config.sim_time_scale,
             )  # fmt: skip
         model, self.model_info = load_model(config.model, self.device, self.dtype)
-        self.runner_cache = size_cache(
-            config.cache, self.model_info, self.dtype, self.device, model
-        )
+        runner_info = self._shard(config, model)
+        self.runner_cache = size_cache(config.cache, runner_info, self.dtype, self.device, model)
+        if self.tp is not None:
+            self.tp.start_cache(self.runner_cache)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
-        return ModelRunner(
-            model, self.model_info, self.runner_cache, self.device, self.dtype, self.grammars
-        )
+        runner = ModelRunner(
+            model, runner_info, self.runner_cache, self.device, self.dtype, self.grammars,
+            self.tp,
+        )  # fmt: skip
+        if self.tp is not None:
+            self.tp.attach_kv_cache(runner.kv_cache, self.model_info.num_kv_heads)
+        return runner
+
+    def _shard(self, config: EngineConfig, model: torch.nn.Module) -> ModelInfo:
+        """With tensor_parallel_size > 1: start the other ranks and keep rank 0's shard of
+        `model`. Returns the model info this rank's KV cache follows."""
+        size = config.tensor_parallel_size
+        check_tp_size(model, size)
+        if size == 1:
+            return self.model_info
+        self.tp = TensorParallelGroup(config.model, self.device, self.dtype, size, self.tp_launcher)
+        shard_model(model, self.tp.comm)
+        return local_info(self.model_info, self.tp.comm)
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -184,7 +207,7 @@ class EngineCore:
 
     def stats(self) -> dict[str, int | float]:
         stats = {**self.scheduler.stats(), "kv_cache_bytes": self.runner.kv_cache.nbytes}
-        for part in (self.runner, self.kv_connector, self.ec_connector):
+        for part in (self.runner, self.kv_connector, self.ec_connector, self.tp):
             stats.update(getattr(part, "stats", dict)())
         return stats
 
@@ -244,6 +267,9 @@ class EngineCore:
         return outputs
 
     def shutdown(self) -> None:
+        if self.tp is not None:
+            self.tp.shutdown()
+            self.tp = None
         for connector in (self.kv_connector, self.ec_connector):
             if connector is not None:
                 connector.shutdown()

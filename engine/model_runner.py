@@ -28,6 +28,7 @@ from engine.sampler import make_generator, position_seed, prompt_logprobs, sampl
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarCompiler, advance
 from engine.token_masks import TokenMasks
+from engine.tp_worker import StepInputs, TensorParallelGroup
 
 
 @dataclass
@@ -62,10 +63,12 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         grammars: GrammarCompiler,
+        tp: TensorParallelGroup | None = None,  # the other ranks, when sharded
     ) -> None:
         if device.type == "cpu":
             pack_linears(model)  # weights packed once; same results as F.linear (checked)
         self.model = model
+        self.tp = tp
         self.grammars = grammars
         self.info = info
         self.device = device
@@ -144,6 +147,10 @@ class ModelRunner:
         for s, n in zip(states, num_scheduled):
             input_ids.extend(s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n])
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
+        if self.tp is not None:
+            tables = [s.block_ids for s in states]
+            computed = [s.num_computed_tokens for s in states]
+            self.tp.start_step(StepInputs(input_ids, computed, num_scheduled, tables))
         embeds = self.model.embed_tokens(ids)  # [T, hidden]
         if self.info.is_multimodal:
             self._merge_encoder_outputs(embeds, states, num_scheduled)

@@ -1,0 +1,86 @@
+"""Tensor parallelism inside one instance (no Ray): TP2 serves what TP1 serves, in float32,
+with the rank-1 worker a local process."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.arch_checkpoints import make_checkpoint
+
+NUM_TOP = 5  # top logprobs compared per position
+TOL = 1e-4
+PROMPTS = [
+    [5, 9, 100, 33, 7, 250, 11, 60],
+    [400 + i for i in range(37)],  # several blocks, several chunks with a small budget
+    [3, 1000, 42],
+]
+GREEDY = SamplingParams(
+    temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=NUM_TOP, prompt_logprobs=NUM_TOP
+)
+
+
+def generate(model: str, tp: int, **engine_args) -> list:
+    llm = LLM(model, dtype="float32", tensor_parallel_size=tp, num_blocks=64, **engine_args)
+    try:
+        # [blocks, layers, 2, block_size, kv_heads, head_dim]: this rank's heads only
+        num_kv_heads = llm.engine.model_info.num_kv_heads
+        assert llm.engine.runner.kv_cache.shape[4] == num_kv_heads // tp
+        batched = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+        one = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)
+        blocks = llm.engine.scheduler.kv_cache_manager.block_pool
+        assert blocks.get_num_free_blocks() == blocks.num_usable_blocks
+    finally:
+        llm.engine.shutdown()
+    return batched + one
+
+
+def assert_same(tp1: list, tp2: list) -> None:
+    for a, b in zip(tp1, tp2, strict=True):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert cb.token_ids == ca.token_ids
+        assert cb.logprobs == pytest.approx(ca.logprobs, abs=TOL)
+        for ta, tb in zip(ca.top_logprobs, cb.top_logprobs, strict=True):
+            assert tb.token_ids == ta.token_ids
+            assert tb.logprobs == pytest.approx(ta.logprobs, abs=TOL)
+        assert b.prompt_logprobs.logprobs == pytest.approx(a.prompt_logprobs.logprobs, abs=TOL)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(preset_dir, tmp_path_factory):
+    return str(
+        make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("moe"), preset_dir("tiny-llama"))
+    )
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+def test_tp2_equals_tp1_llama(preset_dir, chunked):
+    budget = {"max_num_batched_tokens": 16} if chunked else {}
+    model = preset_dir("tiny-llama")
+    assert_same(generate(model, 1, **budget), generate(model, 2, **budget))
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1_moe(moe_dir):
+    assert_same(generate(moe_dir, 1), generate(moe_dir, 2))
+
+
+def test_tp_size_that_cannot_split_is_a_clear_error(preset_dir):
+    # tiny-llama has 2 KV heads: 3 ranks cannot each hold one.
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 exceeds .*num_key_value_heads 2"):
+        LLM(preset_dir("tiny-llama"), tensor_parallel_size=3)
+
+
+def test_tp_size_per_role_and_on_serve():
+    from cluster.cli import build_parser, load_serve_config
+    from cluster.config import ClusterConfig
+
+    config = ClusterConfig.model_validate(
+        {"model": "m", "prefill": {"count": 1, "engine": {"tensor_parallel_size": 2}}}
+    )
+    assert config.engine_config("prefill", "m").tensor_parallel_size == 2
+    assert config.engine_config("decode", "m").tensor_parallel_size == 1
+    args = build_parser().parse_args(["serve", "--model", "m", "--tensor-parallel-size", "2"])
+    served = load_serve_config(args)
+    assert {served.engine_config(r, "m").tensor_parallel_size for r in ("prefill", "decode")} == {2}
