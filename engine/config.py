@@ -14,6 +14,11 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES = get_args(SchedulingPolicy)
 DEFAULT_SCHEDULING_POLICY: SchedulingPolicy = "fcfs"
+# none: weights in `dtype` (float32 on CPU is the exact mode); int8: per-channel int8 weights
+# where that measures faster, layer by layer, at load (CPU only; engine/models/quantized_linear)
+Quantization = Literal["none", "int8"]
+QUANTIZATIONS = get_args(Quantization)
+DEFAULT_QUANTIZATION: Quantization = "none"
 
 
 DEFAULT_NUM_BLOCKS = 1024
@@ -83,5 +88,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # "auto": cuda when present, else cpu
     dtype: str = "auto"  # "auto": float32 on cpu, bfloat16 on cuda
+    quantization: Quantization = DEFAULT_QUANTIZATION
     seed: int = 0
     sim_time_scale: float | None = None  # a sim: model's time scale; None: its profile's
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )

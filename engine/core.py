@@ -84,8 +84,9 @@ class EngineCore:
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
         return ModelRunner(
-            model, self.model_info, self.runner_cache, self.device, self.dtype, self.grammars
-        )
+            model, self.model_info, self.runner_cache, self.device, self.dtype, self.grammars,
+            quantization=config.quantization,
+        )  # fmt: skip
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
