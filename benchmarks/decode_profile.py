@@ -1,14 +1,20 @@
-"""Where one decode step's time goes: torch's profiler over --steps decode steps of --batch
-streams, self CPU time per op grouped into matmuls, attention (KV write, gather, SDPA) and
-the small ops (norms, RoPE, activations, residual adds, sampling), in ms per generated token (the short prompt's prefill included).
+"""Decode speed of weight formats side by side, and where a decode step's time goes.
 
-    python -m benchmarks.decode_profile [--model smollm2-135m] [--quantization int8]
-        [--batch 1] [--steps 32] [--threads 1]
+Each of --quantizations is loaded once; then --rounds rounds each time one generate call of
+--batch streams x --steps tokens per mode, in turn, and the best round per mode counts
+(ms per step, and each mode's speed-up over the first mode, measured in this run). Then
+torch's profiler over one such call per mode: self CPU time per op grouped into matmuls,
+attention (KV write, gather, SDPA) and the small ops (norms, RoPE, activations, residual
+adds, sampling), in ms per generated token (the short prompt's prefill included).
+
+    python -m benchmarks.decode_profile [--model smollm2-135m] [--quantizations none,int8]
+        [--batch 1] [--steps 32] [--rounds 3] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections import defaultdict
 
 import torch
@@ -16,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.report import loadavg
 from engine import LLM, SamplingParams
-from engine.config import DEFAULT_QUANTIZATION, QUANTIZATIONS
+from engine.config import QUANTIZATIONS
 
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm")
 ATTENTION_OPS = (
@@ -33,37 +39,57 @@ def group_of(op: str) -> str:
     return "attention" if op in ATTENTION_OPS else "small ops"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--quantization", choices=QUANTIZATIONS, default=DEFAULT_QUANTIZATION)
-    p.add_argument("--batch", type=int, default=1, help="streams decoding together")
-    p.add_argument("--steps", type=int, default=32, help="decode steps profiled")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype="float32", quantization=args.quantization)
-    prompts = [f"Hello there, number {i}" for i in range(args.batch)]
-    params = SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True)
-    llm.generate(prompts, params)  # warm-up
+def profile_call(llm: LLM, prompts: list[str], params: SamplingParams, steps: int) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, params)
     per_group: dict[str, float] = defaultdict(float)
     small: dict[str, float] = {}
     for event in prof.key_averages():
-        ms = event.self_cpu_time_total / 1e3 / args.steps
+        ms = event.self_cpu_time_total / 1e3 / steps
         per_group[group_of(event.key)] += ms
         if group_of(event.key) == "small ops":
             small[event.key] = ms
-    print(
-        f"{args.model} quantization={args.quantization} batch={args.batch} "
-        f"threads={args.threads}, load average {loadavg()}; ms per generated token (self CPU time):"
-    )
     for group, ms in sorted(per_group.items(), key=lambda kv: -kv[1]):
         print(f"  {group}: {ms:.2f}")
     print(f"  total: {sum(per_group.values()):.2f}")
     for op, ms in sorted(small.items(), key=lambda kv: -kv[1])[:TOP_OPS]:
         print(f"    {op}: {ms:.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument(
+        "--quantizations", type=lambda s: s.split(","), default=list(QUANTIZATIONS),
+        help=f"comma list of {', '.join(QUANTIZATIONS)}; the first is the baseline",
+    )  # fmt: skip
+    p.add_argument("--batch", type=int, default=1, help="streams decoding together")
+    p.add_argument("--steps", type=int, default=32, help="tokens per stream per call")
+    p.add_argument("--rounds", type=int, default=3, help="timed calls per mode")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    llms = {q: LLM(args.model, dtype="float32", quantization=q) for q in args.quantizations}
+    prompts = [f"Hello there, number {i}" for i in range(args.batch)]
+    params = SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True)
+    best_ms = dict.fromkeys(llms, float("inf"))
+    for llm in llms.values():
+        llm.generate(prompts, params)  # warm-up
+    for _ in range(args.rounds):
+        for mode, llm in llms.items():
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            best_ms[mode] = min(best_ms[mode], (time.perf_counter() - start) * 1e3 / args.steps)
+    base = args.quantizations[0]
+    print(
+        f"{args.model}, {args.batch} stream(s) x {args.steps} tokens, threads={args.threads}, "
+        f"best of {args.rounds}, load average {loadavg()}:"
+    )
+    for mode, ms in best_ms.items():
+        print(f"  {mode}: {ms:.1f} ms per step, {best_ms[base] / ms:.2f}x {base}'s speed")
+    for mode, llm in llms.items():
+        print(f"profile, quantization={mode}, ms per generated token (self CPU time):")
+        profile_call(llm, prompts, params, args.steps)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import LLM, SamplingParams
-from engine.models.quantized_linear import Int8Linear, int8_available, quantize_linears
+from engine.models.quantized_linear import Int8Linear, int8_available, quantize_int8
 from engine.outputs import TopLogprobs
 
 pytestmark = [
@@ -71,16 +71,20 @@ def results() -> dict[str, ModeResults]:
     (as `quantization="int8"` does at load; one model load instead of two)."""
     llm = LLM("smollm2-135m", dtype="float32", quantization="none")
     found = {"float32": _results(llm)}
-    quantize_linears(llm.engine.runner.model)
+    quantize_int8(llm.engine.runner.model)
     found["int8"] = _results(llm)
     return found
 
 
+# The three tests on SmolLM2 share one model load (~30 s on a quiet machine, minutes under
+# load): slow, so that the default suite stays in its budget (make test-slow runs them).
+@pytest.mark.slow
 def test_int8_wraps_layers_and_float32_none(results):
     assert results["float32"].num_int8_layers == 0
     assert results["int8"].num_int8_layers > 0  # one row at least: int8 reads 1/4 the bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["int8"])
 def test_greedy_agrees_with_float32_and_stays_in_its_top5(results, mode):
     num_agreed = 0
@@ -98,6 +102,7 @@ def test_greedy_agrees_with_float32_and_stays_in_its_top5(results, mode):
     assert num_agreed >= len(PROMPTS) * NUM_TOKENS // 2, num_agreed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(PERPLEXITY_TOLERANCE))
 def test_perplexity_within_tolerance_of_float32(results, mode):
     want, got = results["float32"].perplexity, results[mode].perplexity

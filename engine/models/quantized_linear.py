@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.fusion import fuse_projections
 from engine.models.packed_linear import PackedLinear
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # input rows the kernels are timed at
@@ -138,3 +139,11 @@ def quantize_linears(model: nn.Module) -> int:
             model.set_submodule(name, int8)
             num_wrapped += 1
     return num_wrapped
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """What `quantization="int8"` does to a loaded float32 model, in place: sibling
+    projections fused (engine/models/fusion.py), then `quantize_linears`. Returns how many
+    layers serve int8."""
+    fuse_projections(model)
+    return quantize_linears(model)
