@@ -1,8 +1,10 @@
 """Decode speed of weight formats side by side, and where a decode step's time goes.
 
 Each of --quantizations is loaded once; then --rounds rounds each time one generate call of
---batch streams x --steps tokens per mode, in turn, and the best round per mode counts
-(ms per step, and each mode's speed-up over the first mode, measured in this run). Then
+--batch streams x --steps tokens per mode, in turn, and the best round per mode counts:
+wall ms and CPU ms (this thread's, torch runs on --threads 1) per step, and each mode's
+speed-up over the first mode, measured in this run. CPU time is what to read on a shared
+machine: other processes stretch the wall time, not the CPU time. Then
 torch's profiler over one such call per mode: self CPU time per op grouped into matmuls,
 attention (KV write, gather, SDPA) and the small ops (norms, RoPE, activations, residual
 adds, sampling), in ms per generated token (the short prompt's prefill included).
@@ -23,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.report import loadavg
 from engine import LLM, SamplingParams
 from engine.config import QUANTIZATIONS
+from engine.models.quantized_linear import Int8Linear
 
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm")
 ATTENTION_OPS = (
@@ -73,20 +76,36 @@ def main() -> None:
     prompts = [f"Hello there, number {i}" for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True)
     best_ms = dict.fromkeys(llms, float("inf"))
+    best_cpu_ms = dict.fromkeys(llms, float("inf"))
     for llm in llms.values():
         llm.generate(prompts, params)  # warm-up
     for _ in range(args.rounds):
         for mode, llm in llms.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             llm.generate(prompts, params)
+            cpu_ms = (time.thread_time() - start_cpu) * 1e3 / args.steps
             best_ms[mode] = min(best_ms[mode], (time.perf_counter() - start) * 1e3 / args.steps)
+            best_cpu_ms[mode] = min(best_cpu_ms[mode], cpu_ms)
     base = args.quantizations[0]
     print(
         f"{args.model}, {args.batch} stream(s) x {args.steps} tokens, threads={args.threads}, "
         f"best of {args.rounds}, load average {loadavg()}:"
     )
     for mode, ms in best_ms.items():
-        print(f"  {mode}: {ms:.1f} ms per step, {best_ms[base] / ms:.2f}x {base}'s speed")
+        cpu_ms = best_cpu_ms[mode]
+        print(
+            f"  {mode}: {ms:.1f} ms per step ({best_ms[base] / ms:.2f}x {base}'s speed), "
+            f"CPU {cpu_ms:.1f} ms per step ({best_cpu_ms[base] / cpu_ms:.2f}x)"
+        )
+        int8_rows = {
+            (m.in_features, m.out_features): m.max_rows
+            for m in llms[mode].engine.runner.model.modules()
+            if isinstance(m, Int8Linear)
+        }
+        if int8_rows:
+            print(
+                f"    int8 up to this many rows, per (in, out) shape measured at load: {int8_rows}"
+            )
     for mode, llm in llms.items():
         print(f"profile, quantization={mode}, ms per generated token (self CPU time):")
         profile_call(llm, prompts, params, args.steps)
