@@ -44,6 +44,7 @@ import torch
 from benchmarks.report import loadavg, machine_info
 from benchmarks.workload import LengthScaling, default_trace, trace_workload
 from engine import LLM, SamplingParams
+from engine.config import DEFAULT_QUANTIZATION, QUANTIZATIONS
 from engine.models.gguf import GGUF_WEIGHTS
 from engine.presets import PAD_TOKEN_ID, default_model_dir, resolve_model_dir
 from engine.tokenizer import Tokenizer
@@ -146,6 +147,7 @@ def build_llm(model_dir: Path, args: argparse.Namespace, workloads: list[Workloa
         "max_model_len": max_len,
         "enable_prefix_caching": args.prefix_caching == "on",
         "dtype": "float32",
+        "quantization": args.quantization,
         "device": "cpu",
     }
     if args.max_num_batched_tokens:
@@ -404,6 +406,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefix-caching", choices=["on", "off"], default="on", help="ours")
     p.add_argument("--no-prefill", dest="prefill", action="store_false", help="skip 1-token pass")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default=DEFAULT_QUANTIZATION, help="ours"
+    )
     return p.parse_args()
 
 

@@ -125,6 +125,7 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "scheduling_policy": (("engine", "scheduling_policy"), str),
     "device": (("engine", "device"), str),
     "dtype": (("engine", "dtype"), str),
+    "quantization": (("engine", "quantization"), str),
     "sim_time_scale": (("engine", "sim_time_scale"), float),
     "tensor_parallel_size": (("engine", "tensor_parallel_size"), int),
     "migration_limit": (("router", "migration_limit"), int),

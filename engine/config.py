@@ -14,6 +14,11 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES = get_args(SchedulingPolicy)
 DEFAULT_SCHEDULING_POLICY: SchedulingPolicy = "fcfs"
+# none: weights in `dtype` (float32 on CPU is the exact mode); int8: per-channel int8 weights
+# where that measures faster, layer by layer, at load (CPU only; engine/models/quantized_linear)
+Quantization = Literal["none", "int8"]
+QUANTIZATIONS = get_args(Quantization)
+DEFAULT_QUANTIZATION: Quantization = "none"
 
 
 DEFAULT_NUM_BLOCKS = 1024
@@ -84,6 +89,18 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # "auto": cuda when present, else cpu
     dtype: str = "auto"  # "auto": float32 on cpu, bfloat16 on cuda
+    quantization: Quantization = DEFAULT_QUANTIZATION
     seed: int = 0
     sim_time_scale: float | None = None  # a sim: model's time scale; None: its profile's
     tensor_parallel_size: int = DEFAULT_TENSOR_PARALLEL_SIZE
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.quantization != "none" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"quantization {self.quantization!r} runs at tensor_parallel_size 1 only, "
+                f"got {self.tensor_parallel_size}"
+            )

@@ -93,7 +93,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
         runner = ModelRunner(
             model, runner_info, self.runner_cache, self.device, self.dtype, self.grammars,
-            self.tp,
+            self.tp, quantization=config.quantization,
         )  # fmt: skip
         if self.tp is not None:
             self.tp.attach_kv_cache(runner.kv_cache, self.model_info.num_kv_heads)

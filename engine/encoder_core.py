@@ -44,8 +44,9 @@ class EncoderCore:
             model, self.model_info = load_model(config.model, self.device, self.dtype)
             grammars = GrammarCompiler(tokenizer, self.model_info.vocab_size)  # unused
             self.runner = ModelRunner(
-                model, self.model_info, tiny_pool, self.device, self.dtype, grammars
-            )
+                model, self.model_info, tiny_pool, self.device, self.dtype, grammars,
+                quantization=config.quantization,
+            )  # fmt: skip
         self.ec_connector = ec_connector
         self.budget = config.scheduler.encoder_compute_budget
         self.waiting: deque[Request] = deque()

@@ -58,7 +58,14 @@ def engine_config_from_args(model: str, **engine_args: Any) -> EngineConfig:
     owners = {
         "cache": CacheConfig.__dataclass_fields__,
         "scheduler": SchedulerConfig.__dataclass_fields__,
-        "engine": {"device", "dtype", "seed", "sim_time_scale", "tensor_parallel_size"},
+        "engine": {
+            "device",
+            "dtype",
+            "quantization",
+            "seed",
+            "sim_time_scale",
+            "tensor_parallel_size",
+        },  # fmt: skip
     }
     for key, value in engine_args.items():
         owner = next((g for g, names in owners.items() if key in names), None)

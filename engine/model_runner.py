@@ -12,9 +12,10 @@ import llguidance
 import torch
 
 from engine.attention import AttentionMetadata, allocate_kv_cache
-from engine.config import CacheConfig
+from engine.config import CacheConfig, Quantization
 from engine.models.loader import ModelInfo
 from engine.models.packed_linear import pack_linears
+from engine.models.quantized_linear import quantize_int8
 from engine.outputs import (
     NewRequestData,
     PromptLogprobs,
@@ -64,9 +65,15 @@ class ModelRunner:
         dtype: torch.dtype,
         grammars: GrammarCompiler,
         tp: TensorParallelGroup | None = None,  # the other ranks, when sharded
+        *,
+        quantization: Quantization,
     ) -> None:
+        if quantization != "none" and device.type != "cpu":
+            raise ValueError(f"quantization {quantization!r} runs on CPU only (device {device})")
         if device.type == "cpu":
             pack_linears(model)  # weights packed once; same results as F.linear (checked)
+        if quantization == "int8":
+            quantize_int8(model)  # fused projections, int8 where it measures faster
         self.model = model
         self.tp = tp
         self.grammars = grammars

@@ -1,0 +1,115 @@
+"""Decode speed of weight formats side by side, and where a decode step's time goes.
+
+Each of --quantizations is loaded once; then --rounds rounds each time one generate call of
+--batch streams x --steps tokens per mode, in turn, and the best round per mode counts:
+wall ms and CPU ms (this thread's, torch runs on --threads 1) per step, and each mode's
+speed-up over the first mode, measured in this run. CPU time is what to read on a shared
+machine: other processes stretch the wall time, not the CPU time. Then
+torch's profiler over one such call per mode: self CPU time per op grouped into matmuls,
+attention (KV write, gather, SDPA) and the small ops (norms, RoPE, activations, residual
+adds, sampling), in ms per generated token (the short prompt's prefill included).
+
+    python -m benchmarks.decode_profile [--model smollm2-135m] [--quantizations none,int8]
+        [--batch 1] [--steps 32] [--rounds 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.report import loadavg
+from engine import LLM, SamplingParams
+from engine.config import QUANTIZATIONS
+from engine.models.quantized_linear import Int8Linear
+
+MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm")
+ATTENTION_OPS = (
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::index_select",
+    "aten::_index_put_impl_",
+)
+TOP_OPS = 12  # small ops listed by name
+
+
+def group_of(op: str) -> str:
+    if op in MATMUL_OPS:
+        return "matmul"
+    return "attention" if op in ATTENTION_OPS else "small ops"
+
+
+def profile_call(llm: LLM, prompts: list[str], params: SamplingParams, steps: int) -> None:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts, params)
+    per_group: dict[str, float] = defaultdict(float)
+    small: dict[str, float] = {}
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1e3 / steps
+        per_group[group_of(event.key)] += ms
+        if group_of(event.key) == "small ops":
+            small[event.key] = ms
+    for group, ms in sorted(per_group.items(), key=lambda kv: -kv[1]):
+        print(f"  {group}: {ms:.2f}")
+    print(f"  total: {sum(per_group.values()):.2f}")
+    for op, ms in sorted(small.items(), key=lambda kv: -kv[1])[:TOP_OPS]:
+        print(f"    {op}: {ms:.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument(
+        "--quantizations", type=lambda s: s.split(","), default=list(QUANTIZATIONS),
+        help=f"comma list of {', '.join(QUANTIZATIONS)}; the first is the baseline",
+    )  # fmt: skip
+    p.add_argument("--batch", type=int, default=1, help="streams decoding together")
+    p.add_argument("--steps", type=int, default=32, help="tokens per stream per call")
+    p.add_argument("--rounds", type=int, default=3, help="timed calls per mode")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    llms = {q: LLM(args.model, dtype="float32", quantization=q) for q in args.quantizations}
+    prompts = [f"Hello there, number {i}" for i in range(args.batch)]
+    params = SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True)
+    best_ms = dict.fromkeys(llms, float("inf"))
+    best_cpu_ms = dict.fromkeys(llms, float("inf"))
+    for llm in llms.values():
+        llm.generate(prompts, params)  # warm-up
+    for _ in range(args.rounds):
+        for mode, llm in llms.items():
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            llm.generate(prompts, params)
+            cpu_ms = (time.thread_time() - start_cpu) * 1e3 / args.steps
+            best_ms[mode] = min(best_ms[mode], (time.perf_counter() - start) * 1e3 / args.steps)
+            best_cpu_ms[mode] = min(best_cpu_ms[mode], cpu_ms)
+    base = args.quantizations[0]
+    print(
+        f"{args.model}, {args.batch} stream(s) x {args.steps} tokens, threads={args.threads}, "
+        f"best of {args.rounds}, load average {loadavg()}:"
+    )
+    for mode, ms in best_ms.items():
+        cpu_ms = best_cpu_ms[mode]
+        print(
+            f"  {mode}: {ms:.1f} ms per step ({best_ms[base] / ms:.2f}x {base}'s speed), "
+            f"CPU {cpu_ms:.1f} ms per step ({best_cpu_ms[base] / cpu_ms:.2f}x)"
+        )
+        int8_rows = {
+            (m.in_features, m.out_features): m.max_rows
+            for m in llms[mode].engine.runner.model.modules()
+            if isinstance(m, Int8Linear)
+        }
+        if int8_rows:
+            print(
+                f"    int8 up to this many rows, per (in, out) shape measured at load: {int8_rows}"
+            )
+    for mode, llm in llms.items():
+        print(f"profile, quantization={mode}, ms per generated token (self CPU time):")
+        profile_call(llm, prompts, params, args.steps)
+
+
+if __name__ == "__main__":
+    main()

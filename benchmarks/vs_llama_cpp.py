@@ -1,0 +1,231 @@
+"""pdcluster against llama.cpp's `llama-server` on the same GGUF, one server up at a time.
+
+Three streaming `/v1/completions` loads, the same token counts on both servers (prompts are
+repeated words of the model's own tokenizer, every answer exactly --*-tokens long with
+`ignore_eos`):
+
+- one: 1 stream, a short prompt, 64 tokens (--one-requests requests one after another);
+- many: 32 streams at once, short prompts, 128 tokens;
+- prefill: 16 streams at once, ~480-token prompts, 64 tokens.
+
+Each server is started, warmed up with one request, runs every load, and is stopped before the
+next starts (each server may use both cores). Printed per load: output tokens/s, mean
+inter-token latency, and pdcluster ÷ llama.cpp. Without --llama-server only pdcluster runs.
+
+    python -m benchmarks.vs_llama_cpp --llama-server /work/peer/llama-server \\
+        [--model smollm2-135m] [--quantization int8] [--loads one,many,prefill]
+
+llama.cpp runs as `llama-server -m FILE -t THREADS -np N --cont-batching -c CTX`; pdcluster as
+`pdcluster serve --model MODEL --prefills 1 --decodes 1`. llama.cpp is never a dependency:
+build it yourself and pass its path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.client import make_client
+from benchmarks.report import loadavg
+from engine.config import DEFAULT_QUANTIZATION, QUANTIZATIONS
+from engine.presets import PACKAGED_MODELS, packaged_model_file, resolve_model_dir
+from engine.tokenizer import Tokenizer
+
+READY_TIMEOUT_S = 600.0  # a server that answers no /v1/models by then failed to start
+WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "ran", "to", "see", "big", "red", "sun")
+
+
+@dataclass(frozen=True)
+class Load:
+    name: str
+    num_streams: int  # requests in flight at once
+    num_requests: int
+    prompt_len: int  # tokens
+    output_len: int
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    tokens_per_s: float
+    mean_itl_ms: float  # between chunks that carry text
+    num_tokens: int  # the usage chunks' output tokens (text chunks where a server sends none)
+
+
+def make_loads(args: argparse.Namespace) -> dict[str, Load]:
+    return {
+        "one": Load("one", 1, args.one_requests, 8, 64),
+        "many": Load("many", 32, 32, 8, 128),
+        "prefill": Load("prefill", 16, 16, 480, 64),
+    }
+
+
+def make_prompts(tokenizer: Tokenizer, load: Load, seed: int) -> list[str]:
+    """Texts of exactly `load.prompt_len` tokens (words chosen so that each is one token)."""
+    rng = random.Random(seed)
+    words = [w for w in WORDS if len(tokenizer.encode(" " + w)) == 1]
+    return [
+        "".join(" " + rng.choice(words) for _ in range(load.prompt_len))
+        for _ in range(load.num_requests)
+    ]
+
+
+async def _stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[list[float], int | None]:
+    """Stream one completion: the arrival time of each chunk that carries text, and the output
+    token count of the usage chunk (None when the server sends none)."""
+    arrivals, num_tokens = [], None
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                arrivals.append(time.perf_counter())
+    return arrivals, num_tokens
+
+
+async def run_load(url: str, model: str, load: Load, prompts: list[str]) -> LoadResult:
+    """Send `load`'s requests, `num_streams` at a time; tokens/s over the whole load."""
+    slots = asyncio.Semaphore(load.num_streams)
+    gaps: list[float] = []
+    num_tokens = 0
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> None:
+        nonlocal num_tokens
+        body = {
+            "model": model, "prompt": prompt, "max_tokens": load.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        async with slots:
+            arrivals, counted = await _stream(client, url, body)
+        num_tokens += len(arrivals) if counted is None else counted
+        gaps.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
+
+    async with make_client() as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(client, p) for p in prompts))
+        seconds = time.perf_counter() - start
+    return LoadResult(num_tokens / seconds, statistics.fmean(gaps) * 1e3, num_tokens)
+
+
+def wait_ready(url: str, proc: subprocess.Popen) -> None:
+    """Until the server lists its models (or exits, or READY_TIMEOUT_S passes)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)  # polling a server that is still loading
+    raise TimeoutError(f"no answer from {url} in {READY_TIMEOUT_S:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)  # pdcluster serve stops its Ray on Ctrl-C
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def server_commands(args: argparse.Namespace, gguf: Path) -> dict[str, list[str]]:
+    max_streams = max(load.num_streams for load in make_loads(args).values())
+    commands = {
+        "pdcluster": [
+            sys.executable, "-m", "cluster", "serve", "--model", args.model, "--prefills", "1",
+            "--decodes", "1", "--port", str(args.port), "--quantization", args.quantization,
+        ],
+    }  # fmt: skip
+    if args.llama_server:
+        commands["llama.cpp"] = [
+            args.llama_server, "-m", str(gguf), "-t", str(args.threads), "-np", str(max_streams),
+            "--cont-batching", "-c", str(max_streams * 640), "--port", str(args.port),
+            "--host", "127.0.0.1",
+        ]  # fmt: skip
+    return commands
+
+
+def bench_server(
+    name: str, command: list[str], args: argparse.Namespace, prompts: dict[str, list[str]]
+) -> dict[str, LoadResult]:
+    url = f"http://127.0.0.1:{args.port}"
+    print(f"== {name}: {' '.join(command)}", flush=True)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(url, proc)
+        warm = Load("warm-up", 1, 1, 8, 8)
+        asyncio.run(run_load(url, args.model, warm, prompts[next(iter(prompts))][:1]))
+        results = {}
+        loads = make_loads(args)
+        for load_name in args.loads:
+            result = asyncio.run(run_load(url, args.model, loads[load_name], prompts[load_name]))
+            results[load_name] = result
+            print(
+                f"  {load_name}: {result.tokens_per_s:.1f} tok/s, ITL {result.mean_itl_ms:.1f} ms "
+                f"({result.num_tokens} tokens), load average {loadavg()}",
+                flush=True,
+            )
+        return results
+    finally:
+        stop(proc)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--llama-server", help="path of a llama.cpp llama-server binary")
+    p.add_argument("--model", default="smollm2-135m", choices=sorted(PACKAGED_MODELS))
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=DEFAULT_QUANTIZATION)
+    p.add_argument(
+        "--loads", type=lambda s: s.split(","), default=["one", "many", "prefill"],
+        help="comma list of one, many, prefill",
+    )  # fmt: skip
+    p.add_argument("--one-requests", type=int, default=3, help="requests of the 'one' load")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp's -t")
+    p.add_argument("--port", type=int, default=8731)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    gguf = packaged_model_file(args.model)
+    tokenizer = Tokenizer(resolve_model_dir(args.model))
+    loads = make_loads(args)
+    prompts = {name: make_prompts(tokenizer, loads[name], args.seed) for name in args.loads}
+    print(f"load average at start {loadavg()}, {os.cpu_count()} CPUs", flush=True)
+    results = {
+        name: bench_server(name, command, args, prompts)
+        for name, command in server_commands(args, gguf).items()
+    }
+    if "llama.cpp" in results:
+        print("pdcluster ÷ llama.cpp (tokens/s):")
+        for load_name in args.loads:
+            ours, theirs = results["pdcluster"][load_name], results["llama.cpp"][load_name]
+            print(f"  {load_name}: {ours.tokens_per_s / theirs.tokens_per_s:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

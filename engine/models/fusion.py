@@ -1,0 +1,58 @@
+"""Sibling projections that read the same input, fused into one layer: a decoder attention's
+q, k and v (`qkv_proj`), a gated MLP's gate and up (`gate_up_proj`). One matmul over the
+concatenated weights replaces two or three, which at decode batch sizes saves the calls' fixed
+costs and reads the input once. Used by the non-exact modes only (`quantization="int8"`):
+float32 keeps the checkpoint's separate layers, the ones the token-exact tests check.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.llama import DecoderAttention
+from engine.models.mlp import GatedMLP
+from engine.models.packed_linear import PackedLinear, packing_available
+
+# module type -> (the fused layer's attribute, the siblings it replaces, in output order)
+FUSIBLE: dict[type[nn.Module], tuple[str, tuple[str, ...]]] = {
+    DecoderAttention: ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    GatedMLP: ("gate_up_proj", ("gate_proj", "up_proj")),
+}
+
+
+@torch.no_grad()
+def fused_linear(parts: list[nn.Module]) -> nn.Module:
+    """One float32 layer computing every part's output, concatenated in order (packed for
+    oneDNN where that is available and checks out)."""
+    weight = torch.cat([p.weight.detach().float() for p in parts])  # [sum(out), in]
+    has_bias = parts[0].bias is not None
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device)
+    linear.weight.copy_(weight)
+    if has_bias:
+        linear.bias.copy_(torch.cat([p.bias.detach().float() for p in parts]))
+    linear.requires_grad_(False)
+    packed = PackedLinear.from_linear(linear, keep_dense=False) if packing_available() else None
+    return linear if packed is None else packed
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse every FUSIBLE group of float32 siblings of `model` in place (the siblings become
+    None). Returns how many groups were fused."""
+    num_fused = 0
+    for module in list(model.modules()):
+        spec = next((s for kind, s in FUSIBLE.items() if isinstance(module, kind)), None)
+        if spec is None:
+            continue
+        fused_name, part_names = spec
+        parts = [getattr(module, name) for name in part_names]
+        if (
+            any(p is None or p.weight.dtype != torch.float32 for p in parts)
+            or len({p.bias is None for p in parts}) > 1
+        ):
+            continue
+        setattr(module, fused_name, fused_linear(parts))
+        for name in part_names:
+            setattr(module, name, None)
+        num_fused += 1
+    return num_fused
