@@ -43,7 +43,12 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
         role: {"count": count, "num_cpus": 1, "resources": {f"pdcluster_{role}": 1}}
         for role, count in (("prefill", 1), ("decode", 2))
     }
-    config = ClusterConfig.model_validate({"model": model_dir, "engine": SMALL_ENGINE, **roles})
+    # The KV pool off: objects a dead node's instance published to it are a separate question
+    # (the leak check found some still referenced after the node's death; see the pool's tests).
+    connector = {"kv_pool_size_gib": 0}
+    config = ClusterConfig.model_validate(
+        {"model": model_dir, "engine": SMALL_ENGINE, "connector": connector, **roles}
+    )
 
     def stats_of(pd, iid: str) -> dict:
         return next(s for s in pd.stats() if s["id"] == iid)

@@ -421,6 +421,7 @@ def test_bench_smoke_two_topologies(ray_session, preset_dir, tmp_path):
     assert not math.isnan(results["cdf_rate_rps"])
 
 
+@pytest.mark.slow  # two topologies at every rate: test_bench_smoke_two_topologies covers the runner
 def test_bench_interleaved_runs_each_rate_on_each_topology_in_turn(
     ray_session, preset_dir, tmp_path
 ):

