@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.client import PreparedRequest, RequestResult, make_client, stream_one
-from benchmarks.targets import embedded_ray, serve_in_thread
+from benchmarks.targets import embedded_ray, pd_config, serve_in_thread
 from benchmarks.workload import RequestSpec
 from cluster.config import RaySettings
 from routing.policy import DEFAULT_MIGRATION_LIMIT
@@ -94,20 +94,10 @@ def kill_busiest(stats: list[dict[str, Any]], namespace: str | None = None) -> s
 
 
 def run_one(args: argparse.Namespace, limit: int) -> dict[str, Any]:
-    from cluster.config import ClusterConfig
     from cluster.control.launch import launch
     from cluster.replicas import gateway_app
 
-    config = ClusterConfig.load(
-        None,
-        {
-            "model": args.model,
-            "engine": ENGINE,
-            "prefill": {"count": args.prefills, "num_cpus": 1},
-            "decode": {"count": args.decodes, "num_cpus": 1},
-            "router": {"migration_limit": limit},
-        },
-    )
+    config = pd_config(args, ENGINE, router={"migration_limit": limit})
     cluster = launch(config)
     try:
         with serve_in_thread(gateway_app(cluster)) as url:

@@ -31,7 +31,7 @@ from typing import Any
 
 from benchmarks.metrics import percentile
 from benchmarks.report import loadavg
-from benchmarks.targets import embedded_ray
+from benchmarks.targets import embedded_ray, pd_config
 from engine import SamplingParams
 
 IDLE_TIMEOUT_S = 300.0
@@ -104,7 +104,6 @@ async def run_all(cluster: Any, sessions: list[Session], args: argparse.Namespac
 
 
 def run_variant(args: argparse.Namespace, pool_on: bool) -> dict[str, Any]:
-    from cluster.config import ClusterConfig
     from cluster.control.launch import launch
 
     engine = {
@@ -113,16 +112,7 @@ def run_variant(args: argparse.Namespace, pool_on: bool) -> dict[str, Any]:
         "max_num_seqs": 64,
         "max_model_len": args.max_model_len,
     }
-    config = ClusterConfig.load(
-        None,
-        {
-            "model": args.model,
-            "engine": engine,
-            "prefill": {"count": args.prefills, "num_cpus": 1},
-            "decode": {"count": args.decodes, "num_cpus": 1},
-            "connector": {"kv_pool_size_gib": None if pool_on else 0},
-        },
-    )
+    config = pd_config(args, engine, connector={"kv_pool_size_gib": None if pool_on else 0})
     cluster = launch(config)
     try:
         load_start = loadavg()

@@ -192,6 +192,18 @@ def keep_current_cluster_record() -> Iterator[None]:
             RAY_CURRENT_CLUSTER.write_bytes(before)
 
 
+def pd_config(args: Any, engine: dict[str, Any], **sections: Any) -> Any:
+    """`args.prefills` P and `args.decodes` D of `args.model`, each instance one CPU, with
+    `engine` settings and further config `sections` (e.g. router=...)."""
+    from cluster.config import ClusterConfig
+
+    roles = {
+        "prefill": {"count": args.prefills, "num_cpus": 1},
+        "decode": {"count": args.decodes, "num_cpus": 1},
+    }
+    return ClusterConfig.load(None, {"model": args.model, "engine": engine, **roles, **sections})
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
