@@ -84,6 +84,11 @@ def instance_stats(cluster: Cluster, role: str) -> dict[str, Any]:
     return next(s for s in cluster.stats() if s["role"] == role)
 
 
+def stats_by_id(cluster: Cluster) -> dict[str, dict[str, Any]]:
+    """Every instance's stats, by instance id."""
+    return {s["id"]: s for s in cluster.stats()}
+
+
 def handle(cluster: Cluster, role: str, index: int = 0):
     return [h for r, h in cluster.instances.values() if r == role][index]
 

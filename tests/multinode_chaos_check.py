@@ -34,7 +34,14 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
     from cluster.config import ClusterConfig
     from cluster.control.launch import launch
     from engine import LLM, SamplingParams
-    from tests.cluster_utils import SMALL_ENGINE, Load, assert_clean, live_object_ids, wait_until
+    from tests.cluster_utils import (
+        SMALL_ENGINE,
+        Load,
+        assert_clean,
+        live_object_ids,
+        stats_by_id,
+        wait_until,
+    )
 
     ray.init(address=ray_cluster.address, namespace="pdcluster-chaos", log_to_driver=False)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -50,9 +57,6 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
         {"model": model_dir, "engine": SMALL_ENGINE, "connector": connector, **roles}
     )
 
-    def stats_of(pd, iid: str) -> dict:
-        return next(s for s in pd.stats() if s["id"] == iid)
-
     with launch(config) as pd:
         baseline = live_object_ids()
         decodes = sorted(i for i, (role, _) in pd.instances.items() if role == "decode")
@@ -62,7 +66,7 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
             load = Load(pd, params)
             streams = load.add(prompts[:NUM_STREAMS])
             assert await load.all_have(streams, 4)
-            before = stats_of(pd, victim)
+            before = stats_by_id(pd)[victim]
             assert before["num_running"] > 0, before  # some streams decode on the victim
             ray.get(pd.instances[victim][1].pause.remote())  # its streams stay mid-decode
             node = next(n for n in ray_cluster.worker_nodes if n.node_id == before["node_id"])
@@ -76,12 +80,12 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
         )
 
         def back() -> bool:
-            stats = stats_of(pd, victim)
+            stats = stats_by_id(pd)[victim]
             return stats["healthy"] and stats.get("node_id") not in (None, before["node_id"])
 
         restarted = wait_until(back, RESTART_TIMEOUT_S)
         again = pd.generate(prompts[NUM_STREAMS:], params)
-        after = stats_of(pd, victim)
+        after = stats_by_id(pd)[victim]
         assert_clean(pd, baseline, timeout_s=60)
         final = pd.wait_idle()
     expected = LLM(model_dir, **SMALL_ENGINE).generate(prompts, params)

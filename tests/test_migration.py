@@ -18,7 +18,14 @@ import ray
 
 from engine import LLM, SamplingParams
 from engine.llm import RequestOutput
-from tests.cluster_utils import Load, assert_clean, live_object_ids, start, wait_until
+from tests.cluster_utils import (
+    Load,
+    assert_clean,
+    live_object_ids,
+    start,
+    stats_by_id,
+    wait_until,
+)
 
 SIM = "sim:h100-llama-3.1-8b"
 ENGINE = {
@@ -44,10 +51,6 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     (a shared prefix would send them all to the P that caches it)."""
     rng = random.Random(seed)
     return [[rng.randrange(100, 1500) for _ in range(rng.randint(8, 60))] for _ in range(n)]
-
-
-def stats_by_id(cluster) -> dict[str, dict]:
-    return {s["id"]: s for s in cluster.stats()}
 
 
 def busiest(cluster, roles: tuple[str, ...], exclude: set[str]) -> str:
