@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 400  # three raylets started on demand, three model loads, a 6 s idle timeout
 
 
+@pytest.mark.slow  # a fake autoscaler adding and removing a raylet: ~50 s on 2 cores
 def test_decode_node_added_on_scale_up_and_idles_out_on_scale_down(preset_dir):
     command = [sys.executable, "-m", "tests.autoscaler_check", "--model", preset_dir("tiny-llama")]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -197,6 +197,7 @@ def test_prefill_killed_after_handoff_recompute(epd, baseline, reference):
     assert total(epd, "prefill", "num_sends") == sends + 1
 
 
+@pytest.mark.slow  # its own cluster: ~25 s; the recompute policy's same fault stays in the default run
 def test_prefill_killed_after_handoff_fail(ray_session, model_dir, reference):
     """The same under kv_load_failure_policy=fail: D does not recompute, it reports the
     request unavailable, and the stream moves (P's first token, then the rest from the new

@@ -121,6 +121,7 @@ def test_scaling_refuses_to_leave_nothing_to_serve(ray_session, model_dir):
         assert len(cluster.instances) == 1
 
 
+@pytest.mark.slow  # ~20 s; the planner's decisions have unit tests (test_planner.py)
 def test_the_planner_scales_prefill_up_on_a_burst_and_down_after_it(ray_session, model_dir):
     autoscale = {
         "prefill": {"min": 1, "max": 2, "target_queued_prefill_tokens": 64},

@@ -34,7 +34,7 @@ st = hypothesis.strategies
 MODEL = "tiny-llava"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MAX_FUZZ_TOKENS = 3  # generated bodies the cluster accepts finish fast
-FUZZ_EXAMPLES = 100  # per strategy in the default run (six strategies)
+FUZZ_EXAMPLES = 50  # per strategy in the default run (six strategies)
 SLOW_FUZZ_EXAMPLES = 600
 
 

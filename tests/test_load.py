@@ -239,7 +239,8 @@ def _brief(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: s.get(k) for k in keys} for s in stats]
 
 
-@pytest.mark.parametrize("small_role", ["decode", "prefill"])
+# ~15 s each: the small prefill pool runs in -m slow
+@pytest.mark.parametrize("small_role", ["decode", pytest.param("prefill", marks=pytest.mark.slow)])
 def test_kv_pool_exhaustion_queues_and_preempts(ray_session, model_dir, reference, small_role):
     small = {"count": 1, "num_cpus": 1, "engine": {"num_blocks": POOL_BLOCKS}}
     roles = {"prefill": 1, "decode": 1, small_role: small}
@@ -252,7 +253,7 @@ def test_kv_pool_exhaustion_queues_and_preempts(ray_session, model_dir, referenc
         assert_clean(cluster, baseline)
 
 
-@pytest.mark.parametrize("num_requests", [2, 4])
+@pytest.mark.parametrize("num_requests", [pytest.param(2, marks=pytest.mark.slow), 4])  # ~13 s each
 def test_remote_loads_of_half_the_decode_pool_do_not_deadlock(
     ray_session, model_dir, reference, num_requests
 ):

@@ -155,6 +155,7 @@ def test_streams_survive_instances_killed_under_load_at_32_instances(ray_session
         run_chaos(cluster, 64, 8, sim_reference, restart_timeout_s=600)
 
 
+@pytest.mark.slow  # ~22 s; migration under kills stays in the default run
 def test_a_stream_moves_at_most_migration_limit_times(ray_session):
     """migration_limit 1: the first death (D's) moves the stream, the second (of whichever
     instance then serves it: P colocated, or D restarted) ends it with a clean error; the
@@ -182,6 +183,7 @@ def test_a_stream_moves_at_most_migration_limit_times(ray_session):
         assert_clean(cluster, baseline, timeout_s=60)
 
 
+@pytest.mark.slow  # ~25 s; migration under kills stays in the default run
 def test_streams_move_off_an_instance_whose_drain_timed_out(ray_session, sim_reference):
     """Scaling decode 2 -> 1 drains the newest D; its streams outlast `drain_timeout_s`, so
     the pool removes it with streams still on it, and they move to the other D and finish."""

@@ -29,6 +29,7 @@ def run_check(module: str, model_dir: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # three raylets: ~40 s; the node-death test crosses nodes too, 1E1P1D equivalence runs on one
 def test_epd_across_nodes_matches_colocated(preset_dir):
     result = run_check("tests.multinode_check", preset_dir("tiny-llava"))
 

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 
 import httpx
+import pytest
 import ray
 
 from cluster.control.launch import launch
@@ -31,6 +32,7 @@ def _config(model_dir, **extra):
     return cluster_config(model_dir, gateway={"served_model_name": MODEL}, **extra)
 
 
+@pytest.mark.slow  # ~15 s; prefix routing has unit tests (test_routing_policy.py)
 def test_two_replicas_route_the_same_prefix_to_the_same_prefill(ray_session, model_dir):
     # decode_prefix_fraction 1.0: the prompt is never prefilled on D, however much D caches
     config = _config(model_dir, prefill=2, decode=1, router={"decode_prefix_fraction": 1.0})
@@ -61,6 +63,7 @@ def instance_stats_by_id(cluster, instance_id: str) -> dict:
     return next(s for s in cluster.stats() if s["id"] == instance_id)
 
 
+@pytest.mark.slow  # ~22 s; restarts under one replica stay in test_cluster_faults.py
 def test_an_instance_restart_is_seen_by_every_replica(ray_session, model_dir):
     config = _config(model_dir, prefill=1, decode=1)
     with launch(config) as first:

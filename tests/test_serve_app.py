@@ -18,7 +18,10 @@ CONFIG = {
 }
 
 
-@pytest.mark.parametrize("inline", [False, True], ids=["yaml-path", "inline-dict"])
+# ~26 s each: the inline dict runs in -m slow (config parsing has unit tests)
+@pytest.mark.parametrize(
+    "inline", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["yaml-path", "inline-dict"]
+)
 def test_serve_app_replicas_share_one_pool(ray_session, preset_dir, tmp_path, inline):
     from ray import serve
 

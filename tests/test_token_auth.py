@@ -76,6 +76,7 @@ def test_serve_connects_with_the_token_and_sigterm_cleans_up(token_cluster):
     assert "token auth: True" in log and "stopped" in log
 
 
+@pytest.mark.slow  # a second token-auth head: ~25 s; the positive path stays in the default run
 def test_serve_without_the_token_is_one_clear_error(token_cluster):
     port, _, home = token_cluster
     command = serve_command("--address", f"127.0.0.1:{port}", "--mixed", "1", "--port", "0")
