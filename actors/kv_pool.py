@@ -11,15 +11,15 @@ entries to disk meanwhile, so the store's spill directory is the pool's disk tie
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from typing import Any
 
 import ray
 from ray.exceptions import RayError
 
 from actors.kv_events import KVEventLog
 from actors.messages import KVEvents
-from connectors.kv_pool_index import KVPoolIndex, PoolHit
+from connectors.kv_pool_index import KVPoolIndex, PoolHit, PoolPublish
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +51,13 @@ class KVPoolActor:
         self._num_bytes_published = 0
         logger.info("KV pool: %.2f GiB", capacity_bytes / GiB)
 
-    async def publish(
-        self,
-        layout: str,
-        block_hashes: list[int],
-        refs: list[Any],
-        run_lengths: tuple[int, ...],
-        nbytes: int,
-    ) -> bool:
-        """Own a copy of the publisher's object `refs[0]` (block_hashes[i] in row i) and hold
-        it; False when it was not kept (held already, too large, or the publisher is gone)."""
-        if self.index.capacity_bytes < nbytes:
+    async def publish(self, entry: PoolPublish) -> bool:
+        """Own a copy of the publisher's object and hold it; False when it was not kept
+        (held already, too large, or the publisher is gone)."""
+        if self.index.capacity_bytes < entry.nbytes:
             return False
         try:
-            arrays = await refs[0]
+            arrays = await entry.refs[0]
             own = await asyncio.to_thread(ray.put, arrays)  # the copy this actor owns
         except RayError as exc:
             logger.warning("KV pool: a published object is gone: %s", exc)
@@ -72,8 +65,8 @@ class KVPoolActor:
             return False
         finally:
             arrays = None
-        kept = self.index.add(layout, block_hashes, [own], tuple(run_lengths), nbytes)
-        self._num_bytes_published += nbytes if kept else 0
+        kept = self.index.add(dataclasses.replace(entry, refs=[own]))
+        self._num_bytes_published += entry.nbytes if kept else 0
         return kept
 
     async def lookup(self, layout: str, block_hashes: list[int]) -> PoolHit:

@@ -27,6 +27,19 @@ _COUNTERS = ("num_publishes", "num_rejected", "num_evictions", "num_lookups", "n
 
 
 @dataclass(frozen=True)
+class PoolPublish:
+    """One publish: an object of a run of full blocks (row i holds `block_hashes[i]`), as
+    arrays over runs of `run_lengths` rows; what a publisher sends the pool's owner, and
+    what the owner's index holds once the owner made the object its own."""
+
+    layout: str  # the KV layout the rows are in (`RayKVPoolConnector`'s layout key)
+    block_hashes: tuple[int, ...]
+    refs: list[Any]  # [ObjectRef]: inside a list so that Ray never resolves it in transit
+    run_lengths: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class PoolPart:
     """Consecutive blocks of a hit inside one entry: rows [first_row, first_row + num_blocks)
     of the entry's object, a list of arrays of `run_lengths` rows each."""
@@ -87,25 +100,20 @@ class KVPoolIndex:
         return len(self._entries)
 
     # ---- publish --------------------------------------------------------------------------
-    def add(
-        self,
-        layout: str,
-        block_hashes: list[int],
-        refs: list[Any],
-        run_lengths: tuple[int, ...],
-        nbytes: int,
-    ) -> bool:
-        """Hold one entry (row i holds block_hashes[i]); False, holding nothing, when every
-        block is held already or the entry cannot fit even after evicting every unpinned one."""
-        if sum(run_lengths) != len(block_hashes) or not block_hashes:
-            raise ValueError(f"{sum(run_lengths)} rows for {len(block_hashes)} block hashes")
+    def add(self, entry: PoolPublish) -> bool:
+        """Hold one entry; False, holding nothing, when every block is held already or the
+        entry cannot fit even after evicting every unpinned one."""
+        num_rows, num_hashes = sum(entry.run_lengths), len(entry.block_hashes)
+        if num_rows != num_hashes or not num_hashes:
+            raise ValueError(f"{num_rows} rows for {num_hashes} block hashes")
         self._expire_pins()
-        keys = [(layout, h) for h in block_hashes]
+        keys = [(entry.layout, h) for h in entry.block_hashes]
+        nbytes = entry.nbytes
         if all(k in self._where for k in keys) or not self._make_room(nbytes):
             self._counters["num_rejected"] += 1
             return False
         entry_id = next(self._ids)
-        self._entries[entry_id] = _Entry(refs, tuple(run_lengths), keys, nbytes)
+        self._entries[entry_id] = _Entry(entry.refs, entry.run_lengths, keys, nbytes)
         for row, key in enumerate(keys):
             if key not in self._where:
                 self._where[key] = (entry_id, row)

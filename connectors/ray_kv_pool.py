@@ -30,7 +30,7 @@ import ray
 from ray.exceptions import RayError
 
 from connectors.base import HeadShardedKV, KVConnectorBase
-from connectors.kv_pool_index import PoolHit
+from connectors.kv_pool_index import PoolHit, PoolPublish
 from connectors.ray_kv import LOCAL_RESOLVE_TIMEOUT_S
 from connectors.ray_kv_layout import BlockArrays, Latency, plan_segments
 from engine.request import Request, RequestStatus
@@ -295,7 +295,8 @@ class RayKVPoolConnector(KVConnectorBase):
         arrays, run_lengths = self._block_arrays().runs(block_ids)
         nbytes = sum(a.nbytes for a in arrays)
         ref = ray.put(arrays)
-        self.pool.publish.remote(self._layout, list(block_hashes), [ref], run_lengths, nbytes)
+        entry = PoolPublish(self._layout, tuple(block_hashes), [ref], tuple(run_lengths), nbytes)
+        self.pool.publish.remote(entry)
         self._publish_ms.add((time.perf_counter() - start_s) * 1e3)
         self._counters["kv_pool_publishes"] += 1
         self._counters["kv_pool_bytes_published"] += nbytes

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from actors.kv_pool import KVPoolActor
-from connectors.kv_pool_index import KVPoolIndex
+from connectors.kv_pool_index import KVPoolIndex, PoolPublish
 from connectors.ray_kv_pool import RayKVPoolConnector
 from engine import LLM, SamplingParams
 from routing.policy import RouterConfig, RouterPolicy, block_hashes
@@ -31,10 +31,15 @@ class Clock:
         return self.now
 
 
+def entry(block_hashes: list[int], ref: str, run_lengths: tuple[int, ...], nbytes: int):
+    """A publish of layout "L" whose object is named `ref`."""
+    return PoolPublish("L", tuple(block_hashes), [ref], run_lengths, nbytes)
+
+
 def test_a_hit_is_the_longest_run_from_the_first_hash_across_entries():
     index = KVPoolIndex(capacity_bytes=1000, pin_s=10)
-    assert index.add("L", [1, 2, 3], ["a"], (2, 1), nbytes=30)
-    assert index.add("L", [4, 5], ["b"], (2,), nbytes=20)
+    assert index.add(entry([1, 2, 3], "a", (2, 1), 30))
+    assert index.add(entry([4, 5], "b", (2,), 20))
     hit = index.lookup("L", [2, 3, 4, 9, 5])
     assert [(p.refs, p.first_row, p.num_blocks) for p in hit.parts] == [
         (["a"], 1, 2),
@@ -47,38 +52,38 @@ def test_a_hit_is_the_longest_run_from_the_first_hash_across_entries():
 def test_eviction_is_lru_and_spares_pinned_entries():
     clock = Clock()
     index = KVPoolIndex(capacity_bytes=100, pin_s=5, clock=clock)
-    index.add("L", [1], ["a"], (1,), nbytes=40)
-    index.add("L", [2], ["b"], (1,), nbytes=40)
+    index.add(entry([1], "a", (1,), 40))
+    index.add(entry([2], "b", (1,), 40))
     pinned = index.lookup("L", [1])  # pins "a" and makes it the most recently used
-    assert index.add("L", [3], ["c"], (1,), nbytes=40)  # evicts "b", not the pinned "a"
+    assert index.add(entry([3], "c", (1,), 40))  # evicts "b", not the pinned "a"
     assert index.lookup("L", [2]).num_blocks == 0
-    assert not index.add("L", [4], ["d"], (1,), nbytes=70)  # would not fit even without "c"
+    assert not index.add(entry([4], "d", (1,), 70))  # would not fit even without "c"
     assert index.lookup("L", [3]).num_blocks == 1  # so "c" was kept
     index.release(pinned.lookup_id)
-    assert index.add("L", [4], ["d"], (1,), nbytes=60)  # evicts "a", the least recently used
+    assert index.add(entry([4], "d", (1,), 60))  # evicts "a", the least recently used
     assert index.lookup("L", [1]).num_blocks == 0
     stats = index.stats()
     assert (stats["num_entries"], stats["num_bytes"], stats["num_evictions"]) == (2, 100, 2)
-    assert index.add("L", [5], ["e"], (1,), nbytes=40)
+    assert index.add(entry([5], "e", (1,), 40))
     lost = index.lookup("L", [5])
     clock.now = 6  # a reader that never released: its pin lease ran out
-    assert index.add("L", [6], ["f"], (1,), nbytes=70)
+    assert index.add(entry([6], "f", (1,), 70))
     assert index.lookup("L", [5]).num_blocks == 0 and lost.num_blocks == 1
 
 
 def test_an_entry_of_blocks_held_already_or_too_large_is_not_kept():
     index = KVPoolIndex(capacity_bytes=100, pin_s=5)
-    assert index.add("L", [1, 2], ["a"], (2,), nbytes=20)
-    assert not index.add("L", [1, 2], ["b"], (2,), nbytes=20)
-    assert not index.add("L", [9], ["c"], (1,), nbytes=101)
-    assert index.add("L", [1, 2, 3], ["d"], (3,), nbytes=30)  # block 3 is new
+    assert index.add(entry([1, 2], "a", (2,), 20))
+    assert not index.add(entry([1, 2], "b", (2,), 20))
+    assert not index.add(entry([9], "c", (1,), 101))
+    assert index.add(entry([1, 2, 3], "d", (3,), 30))  # block 3 is new
     hit = index.lookup("L", [1, 2, 3])
     assert [(p.refs, p.first_row, p.num_blocks) for p in hit.parts] == [
         (["a"], 0, 2),
         (["d"], 2, 1),
     ]
     with pytest.raises(ValueError):
-        index.add("L", [1, 2], ["e"], (3,), nbytes=1)
+        index.add(entry([1, 2], "e", (3,), 1))
 
 
 # ---- routing with the pool's tier --------------------------------------------------------------
