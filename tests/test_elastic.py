@@ -18,6 +18,7 @@ from tests.cluster_utils import (
     collect,
     live_object_ids,
     start,
+    stats_by_id,
     until,
     wait_until,
 )
@@ -32,10 +33,6 @@ def _ids(cluster, role: str) -> list[str]:
 
 def _index(instance_id: str) -> int:
     return int(instance_id.rsplit("-", 1)[1])
-
-
-def _stats(cluster, instance_id: str) -> dict:
-    return next(s for s in cluster.stats() if s["id"] == instance_id)
 
 
 async def _stream_all(cluster, prompts, params=LONG):
@@ -60,7 +57,7 @@ def test_scale_up_under_load_serves_on_the_new_instance(ray_session, model_dir, 
             assert out.finish_reason == "length"
             assert out.token_ids == reference(prompt, LONG).token_ids  # colocated's tokens
         new_decode = _ids(cluster, "decode")[1]
-        assert _stats(cluster, new_decode)["num_steps"] > 0  # it took traffic
+        assert stats_by_id(cluster)[new_decode]["num_steps"] > 0  # it took traffic
         assert_clean(cluster, baseline)
 
 
@@ -71,7 +68,7 @@ def test_scale_down_under_load_loses_nothing(ray_session, model_dir, reference):
 
         async def scenario():
             tasks = await _stream_all(cluster, PROMPTS)
-            assert await until(lambda: _stats(cluster, leaving)["num_running"] > 0)
+            assert await until(lambda: stats_by_id(cluster)[leaving]["num_running"] > 0)
             members = await cluster.scale("decode", 1)  # drains the newest D mid-stream
             return members, await asyncio.gather(*tasks)
 
@@ -92,13 +89,13 @@ def test_a_draining_prefill_holds_its_kv_until_decode_reads_it(ray_session, mode
         p0, p1 = cluster.instances[p0_id][1], cluster.instances[p1_id][1]
         decode = cluster.instances[_ids(cluster, "decode")[0]][1]
         ray.get([p0.pause.remote(), p1.pause.remote(), decode.pause.remote()])
-        waiting = lambda iid: _stats(cluster, iid)["num_waiting"]  # noqa: E731
+        waiting = lambda iid: stats_by_id(cluster)[iid]["num_waiting"]  # noqa: E731
 
         async def scenario():
             tasks = await _stream_all(cluster, ["first prompt", "second prompt"], GREEDY)
             assert await until(lambda: waiting(p0_id) == 1 and waiting(p1_id) == 1)
             ray.get(p1.resume.remote())  # P1 prefills its prompt and holds the KV for D
-            assert await until(lambda: _stats(cluster, p1_id)["num_pending_sends"] == 1)
+            assert await until(lambda: stats_by_id(cluster)[p1_id]["num_pending_sends"] == 1)
             scaling = asyncio.ensure_future(cluster.scale("prefill", 1))
             assert await until(lambda: not cluster.front.policy.instances[p1_id].healthy)
             assert not scaling.done()  # P1 drains: it still holds the KV D has not read
