@@ -187,7 +187,7 @@ def ratios(off: dict[str, Any], on: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
-def _pair(text: str) -> tuple[int, int]:
+def int_pair(text: str) -> tuple[int, int]:
     lo, hi = (int(x) for x in text.split(","))
     if not 0 < lo <= hi:
         raise argparse.ArgumentTypeError("want LO,HI with 0 < LO <= HI")
@@ -206,7 +206,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-sessions", type=int, default=16, help="sessions in all")
     p.add_argument("--turns", type=int, default=4, help="turns per session")
     p.add_argument("--system-tokens", type=int, default=512)
-    p.add_argument("--user-tokens", type=_pair, default=(50, 200), help="LO,HI per message")
+    p.add_argument("--user-tokens", type=int_pair, default=(50, 200), help="LO,HI per message")
     p.add_argument("--reply-tokens", type=int, default=32)
     p.add_argument("--session-rate", type=float, default=1.0, help="sessions started per second")
     p.add_argument("--think-s", type=float, default=1.0, help="pause between reply and turn")

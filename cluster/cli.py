@@ -358,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.elastic import main as elastic_main
 
         return elastic_main([a for a in argv[1:] if a != "--elastic"])
+    if argv[:1] == ["bench"] and "--handoff-ttft" in argv:  # P->D TTFT vs the prefill alone
+        from benchmarks.handoff_ttft import main as handoff_main
+
+        return handoff_main([a for a in argv[1:] if a != "--handoff-ttft"])
     if argv[:1] == ["bench"] and "--sessions" in argv:  # KV pool off vs on (its own parser)
         from benchmarks.sessions import main as sessions_main
 

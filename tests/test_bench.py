@@ -463,3 +463,20 @@ def _check_stages(topo, handoff):
             if handoff:
                 assert stages["to_decode"] >= 0 and stages["first_decode_step"] > 0
         assert all(r["stages_ms"] is None for r in run["requests"] if r["has_image"])
+
+
+def test_handoff_ttft_smoke_reports_the_pd_over_prefill_alone_ratio(
+    ray_session, preset_dir, tmp_path
+):
+    from benchmarks import handoff_ttft
+
+    argv = ["--model", preset_dir("tiny-llama"), "--num-prompts", "2", "--prompt-tokens", "64",
+            "--max-tokens", "3", "--token-range", "100,1000", "--out", str(tmp_path)]  # fmt: skip
+    assert handoff_ttft.main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    summary = result["summary"]
+    assert summary["ttft_pd_over_prefill_alone_p50"] > 0
+    assert len(result["pd"]["ttft_ms"]) == len(result["prefill_alone"]["ttft_ms"]) == 2
+    assert all(t > 0 for t in result["pd"]["ttft_ms"] + result["prefill_alone"]["ttft_ms"])
+    assert result["pd"]["stage_p50_ms"]["prefill"] is not None  # P's traced stage
+    assert result["pd"]["stage_p50_ms"]["to_decode"] is not None  # the handoff reached D
