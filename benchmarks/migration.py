@@ -240,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         rows = [run_outside(args)]
         print(json.dumps(rows[0]))
-        print(f"errors: {rows[0]['errors']}/{rows[0]['streams']}; migrations: {rows[0]['migrations']}")
+        print(
+            f"errors: {rows[0]['errors']}/{rows[0]['streams']}; migrations: {rows[0]['migrations']}"
+        )
     else:
         with embedded_ray(args.prefills + args.decodes + 1):
             rows = [run_one(args, limit) for limit in (0, args.migration_limit)]
