@@ -24,11 +24,10 @@ import json
 import random
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from benchmarks.metrics import percentile
-from benchmarks.report import loadavg
+from benchmarks.report import loadavg, save_results
 from benchmarks.sessions import TOKEN_RANGE, int_pair
 from benchmarks.stages import request_stages
 from benchmarks.targets import embedded_ray, pd_config
@@ -65,11 +64,9 @@ def run_topology(
     from cluster.control.launch import launch
 
     engine = {"max_num_seqs": 4, "max_model_len": args.prompt_tokens + args.max_tokens + 16}
-    counts = SimpleNamespace(
-        model=args.model, prefills=0 if colocated else 1, decodes=0 if colocated else 1
-    )
-    sections = {"mixed": {"count": 1, "num_cpus": 1}} if colocated else {}
-    cluster = launch(pd_config(counts, engine, **sections))
+    none = {"count": 0}
+    mixed = {"prefill": none, "decode": none, "mixed": {"count": 1, "num_cpus": 1}}
+    cluster = launch(pd_config(args, engine, **(mixed if colocated else {})))
     max_tokens = 1 if colocated else args.max_tokens
     try:
         asyncio.run(first_token_s(cluster, prompts[0][: args.prompt_tokens // 4], 1))  # warm-up
@@ -125,6 +122,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=4, help="tokens per 1P1D request")
     p.add_argument("--token-range", type=int_pair, default=TOKEN_RANGE, help="LO,HI token ids")
     p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(prefills=1, decodes=1)  # the disaggregated topology: 1P1D
     p.add_argument("--out", type=Path, default=None, help="folder for results.json")
     return p
 
@@ -137,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         alone = run_topology(args, prompts, colocated=True)
     result = {"command": argv, "summary": summarize(pd, alone), "pd": pd, "prefill_alone": alone}
     print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    save_results(args.out, result)
     return 0
 
 

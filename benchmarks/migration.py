@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.client import PreparedRequest, RequestResult, make_client, stream_one
+from benchmarks.report import save_results
 from benchmarks.targets import embedded_ray, pd_config, serve_in_thread
 from benchmarks.workload import RequestSpec
 from cluster.config import RaySettings
@@ -247,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         with embedded_ray(args.prefills + args.decodes + 1):
             rows = [run_one(args, limit) for limit in (0, args.migration_limit)]
         report(rows)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    save_results(args.out, rows)
     return 0
 
 

@@ -20,6 +20,13 @@ from benchmarks.targets import REPO_ROOT
 
 
 # ---- machine ----------------------------------------------------------------------------
+def save_results(out: Path | None, result: Any) -> None:
+    """Write `result` as `out`/results.json (nothing when `out` is None)."""
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
 def loadavg() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.metrics import percentile
-from benchmarks.report import loadavg
+from benchmarks.report import loadavg, save_results
 from benchmarks.targets import embedded_ray, pd_config
 from engine import SamplingParams
 
@@ -224,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         off, on = (run_variant(args, pool_on) for pool_on in (False, True))
         result = {"command": argv, "off": off, "on": on, "ratios": ratios(off, on)}
     print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    save_results(args.out, result)
     return 0
 
 
