@@ -14,6 +14,10 @@ submission to the first token), and prompt tokens computed (a request's prompt m
 tokens its first-token instance found in a cache: its own or the pool), with the ratios on ÷
 off, and the load average at the start and end of each variant.
 
+`--add-prefill-at-s T` adds one prefill instance T seconds into each variant (a scale-up
+under load); the report then has the follow-ups that new P served (their TTFT, and the
+tokens they computed): cold without the pool, served from it with.
+
     python -m benchmarks.sessions --model smollm2-135m --prefills 2 --decodes 1 \\
         --sessions 16 --turns 4 --out sessions-out
 """
@@ -42,9 +46,20 @@ TOKEN_RANGE = (1000, 40000)  # ordinary vocabulary ids of SmolLM2 (no special to
 class Turn:
     session: int
     index: int
+    request_id: str
+    sent_s: float  # time.perf_counter()
     num_prompt_tokens: int
     ttft_s: float
     num_cached_tokens: int
+
+
+@dataclass
+class ScaleUp:
+    """The prefill instance added mid-run, and when (seconds into the run)."""
+
+    instance_id: str
+    asked_s: float
+    up_s: float
 
 
 @dataclass
@@ -61,9 +76,9 @@ def make_sessions(args: argparse.Namespace) -> list[Session]:
     lo, hi = args.user_tokens
     sessions, start_s = [], 0.0
     for i in range(args.num_sessions):
-        system = [rng.randrange(*TOKEN_RANGE) for _ in range(args.system_tokens)]
+        system = [rng.randrange(*args.token_range) for _ in range(args.system_tokens)]
         users = [
-            [rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(lo, hi))]
+            [rng.randrange(*args.token_range) for _ in range(rng.randint(lo, hi))]
             for _ in range(args.turns)
         ]
         sessions.append(Session(i, start_s, system, users))
@@ -86,21 +101,42 @@ async def run_session(cluster: Any, session: Session, args: argparse.Namespace) 
             if ttft_s is None and out.new_token_ids:
                 ttft_s, num_cached = time.perf_counter() - sent_s, out.num_cached_tokens
             reply.extend(out.new_token_ids)
-        turns.append(Turn(session.index, index, len(prompt), ttft_s or 0.0, num_cached))
+        turns.append(
+            Turn(
+                session.index,
+                index,
+                request.request_id,
+                sent_s,
+                len(prompt),
+                ttft_s or 0.0,
+                num_cached,
+            )
+        )
         history = [*prompt, *reply]
         await asyncio.sleep(args.think_s)
     return turns
 
 
-async def run_all(cluster: Any, sessions: list[Session], args: argparse.Namespace) -> list[Turn]:
+async def run_all(
+    cluster: Any, sessions: list[Session], args: argparse.Namespace
+) -> tuple[list[Turn], ScaleUp | None]:
     started = time.perf_counter()
 
     async def one(session: Session) -> list[Turn]:
         await asyncio.sleep(max(0.0, session.start_s - (time.perf_counter() - started)))
         return await run_session(cluster, session, args)
 
+    async def add_prefill() -> ScaleUp:
+        await asyncio.sleep(args.add_prefill_at_s)
+        before = set(cluster.instances)
+        asked_s = time.perf_counter() - started
+        members = await cluster.scale("prefill", args.prefills + 1)
+        (added,) = (i for i, role in members.items() if role == "prefill" and i not in before)
+        return ScaleUp(added, round(asked_s, 1), round(time.perf_counter() - started, 1))
+
+    scale_up = None if args.add_prefill_at_s is None else asyncio.create_task(add_prefill())
     results = await asyncio.gather(*(one(s) for s in sessions))
-    return [t for turns in results for t in turns]
+    return [t for turns in results for t in turns], scale_up and await scale_up
 
 
 def run_variant(args: argparse.Namespace, pool_on: bool) -> dict[str, Any]:
@@ -117,15 +153,55 @@ def run_variant(args: argparse.Namespace, pool_on: bool) -> dict[str, Any]:
     try:
         load_start = loadavg()
         wall_s = time.perf_counter()
-        turns = asyncio.run(run_all(cluster, make_sessions(args), args))
+        turns, scale_up = asyncio.run(run_all(cluster, make_sessions(args), args))
         wall_s = time.perf_counter() - wall_s
         load_end = loadavg()
         cluster.wait_idle(IDLE_TIMEOUT_S)
         pool = asyncio.run(cluster.kv_pool_stats()) if pool_on else None
         instances = cluster.stats()
+        first_token_on = first_token_instances(cluster.front.traces())
     finally:
         cluster.shutdown()
-    return summarize(turns, pool_on, wall_s, load_start, load_end, pool, instances)
+    result = summarize(turns, pool_on, wall_s, load_start, load_end, pool, instances)
+    if scale_up is not None:
+        result["added_prefill"] = served_by(scale_up, turns, first_token_on)
+    return result
+
+
+def first_token_instances(traces: list[Any]) -> dict[str, str]:
+    """request id -> the instance that produced its first token (its P, or its mixed)."""
+    return {
+        t.request_id: s.instance_id
+        for t in traces
+        for s in t.stage_times[:1]  # the first instance a request passed made its first token
+    }
+
+
+def served_by(
+    scale_up: ScaleUp, turns: list[Turn], first_token_on: dict[str, str]
+) -> dict[str, Any]:
+    """The follow-ups the added P served: how many, their TTFT, the tokens they computed."""
+    mine = sorted(
+        (
+            t
+            for t in turns
+            if t.index > 0 and first_token_on.get(t.request_id) == scale_up.instance_id
+        ),
+        key=lambda t: t.sent_s,
+    )
+    ttfts = [t.ttft_s for t in mine]
+    return {
+        "instance_id": scale_up.instance_id,
+        "asked_at_s": scale_up.asked_s,
+        "up_at_s": scale_up.up_s,
+        "follow_ups": len(mine),
+        "follow_up_ttft_ms": {f"p{q}": _ms(percentile(ttfts, q)) for q in (50, 90)},
+        "first_follow_ups_ttft_ms": [_ms(v) for v in ttfts[:4]],
+        "follow_up_prompt_tokens": sum(t.num_prompt_tokens for t in mine),
+        "follow_up_prompt_tokens_computed": sum(
+            t.num_prompt_tokens - t.num_cached_tokens for t in mine
+        ),
+    }
 
 
 def summarize(
@@ -213,14 +289,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=256, help="KV blocks per instance")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--token-range", type=int_pair, default=TOKEN_RANGE, help="LO,HI token ids")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--add-prefill-at-s",
+        type=float,
+        default=None,
+        help="add one prefill instance this many seconds into each variant",
+    )
     p.add_argument("--out", type=Path, default=None, help="folder for results.json")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    with embedded_ray(args.prefills + args.decodes + 1):
+    added = 0 if args.add_prefill_at_s is None else 1
+    with embedded_ray(args.prefills + added + args.decodes + 1):
         off, on = (run_variant(args, pool_on) for pool_on in (False, True))
         result = {"command": argv, "off": off, "on": on, "ratios": ratios(off, on)}
     print(json.dumps(result, indent=2))

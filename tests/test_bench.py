@@ -480,3 +480,27 @@ def test_handoff_ttft_smoke_reports_the_pd_over_prefill_alone_ratio(
     assert all(t > 0 for t in result["pd"]["ttft_ms"] + result["prefill_alone"]["ttft_ms"])
     assert result["pd"]["stage_p50_ms"]["prefill"] is not None  # P's traced stage
     assert result["pd"]["stage_p50_ms"]["to_decode"] is not None  # the handoff reached D
+
+
+def test_sessions_smoke_compares_pool_off_and_on_and_reports_the_p_added_mid_run(
+    ray_session, preset_dir, tmp_path
+):
+    from benchmarks import sessions
+
+    argv = ["--model", preset_dir("tiny-llama"), "--prefills", "1", "--decodes", "1",
+            "--num-sessions", "3", "--turns", "3", "--system-tokens", "40",
+            "--user-tokens", "8,16", "--reply-tokens", "4", "--session-rate", "20",
+            "--think-s", "0.2", "--num-blocks", "64", "--max-model-len", "512",
+            "--token-range", "100,1000", "--add-prefill-at-s", "0", "--out", str(tmp_path)]  # fmt: skip
+    assert sessions.main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    for variant in (result["off"], result["on"]):
+        assert variant["turns"] == 9
+        assert variant["follow_up_prompt_tokens_computed"] <= variant["follow_up_prompt_tokens"]
+        added = variant["added_prefill"]
+        assert added["instance_id"].endswith("-prefill-1")  # the second P of the pool
+        assert added["up_at_s"] >= added["asked_at_s"] >= 0
+        assert 0 <= added["follow_ups"] <= 6
+        assert added["follow_up_prompt_tokens_computed"] <= added["follow_up_prompt_tokens"]
+    assert result["off"]["kv_pool_hit_tokens"] == 0
+    assert result["on"]["kv_pool"]["num_entries"] > 0  # P and D published
