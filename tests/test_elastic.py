@@ -40,39 +40,34 @@ async def _stream_all(cluster, prompts, params=LONG):
     return [asyncio.create_task(collect(cluster, r)) for r in requests]
 
 
-def test_scale_up_under_load_serves_on_the_new_instance(ray_session, model_dir, reference):
+def test_scale_up_then_down_under_load_serves_on_the_new_instance_and_loses_nothing(
+    ray_session, model_dir, reference
+):
     with start(model_dir, prefill=1, decode=1) as cluster:
         baseline = live_object_ids()
 
-        async def scenario():
+        async def scale_up():
             first = await _stream_all(cluster, PROMPTS[:6])
             members = await cluster.scale("decode", 2)  # while those stream
             assert await until(lambda: len(_ids(cluster, "decode")) == 2)
             second = await _stream_all(cluster, PROMPTS[6:])
             return members, await asyncio.gather(*first, *second)
 
-        members, outs = asyncio.run(scenario())
+        members, outs = asyncio.run(scale_up())
         assert sorted(members.values()) == ["decode", "decode", "prefill"]
         for prompt, out in zip(PROMPTS, outs):
             assert out.finish_reason == "length"
             assert out.token_ids == reference(prompt, LONG).token_ids  # colocated's tokens
-        new_decode = _ids(cluster, "decode")[1]
-        assert stats_by_id(cluster)[new_decode]["num_steps"] > 0  # it took traffic
-        assert_clean(cluster, baseline)
+        leaving = _ids(cluster, "decode")[1]  # the new D, the newest: it drains first
+        assert stats_by_id(cluster)[leaving]["num_steps"] > 0  # it took traffic
 
-
-def test_scale_down_under_load_loses_nothing(ray_session, model_dir, reference):
-    with start(model_dir, prefill=1, decode=2) as cluster:
-        baseline = live_object_ids()
-        leaving = _ids(cluster, "decode")[1]
-
-        async def scenario():
+        async def scale_down():
             tasks = await _stream_all(cluster, PROMPTS)
             assert await until(lambda: stats_by_id(cluster)[leaving]["num_running"] > 0)
             members = await cluster.scale("decode", 1)  # drains the newest D mid-stream
             return members, await asyncio.gather(*tasks)
 
-        members, outs = asyncio.run(scenario())
+        members, outs = asyncio.run(scale_down())
         assert leaving not in members
         assert wait_until(lambda: leaving not in cluster.instances)
         assert [o.finish_reason for o in outs] == ["length"] * len(PROMPTS)
@@ -107,15 +102,6 @@ def test_a_draining_prefill_holds_its_kv_until_decode_reads_it(ray_session, mode
         assert first.token_ids == reference("first prompt").token_ids
         assert second.token_ids == reference("second prompt").token_ids
         assert_clean(cluster, baseline)
-
-
-def test_scaling_refuses_to_leave_nothing_to_serve(ray_session, model_dir):
-    with start(model_dir, mixed=1) as cluster:
-        with pytest.raises(ValueError, match="leaves none to serve"):
-            asyncio.run(cluster.scale("mixed", 0))
-        with pytest.raises(ValueError, match="role must be one of"):
-            asyncio.run(cluster.scale("gpu", 1))
-        assert len(cluster.instances) == 1
 
 
 @pytest.mark.slow  # ~20 s; the planner's decisions have unit tests (test_planner.py)
@@ -170,7 +156,7 @@ def test_the_pool_survives_restarts_of_its_controller_and_gateway(ray_session, m
             second.shutdown()
 
 
-def test_scale_through_the_gateway_and_the_cli(ray_session, model_dir, capsys):
+def test_scale_through_the_api_the_gateway_and_the_cli(ray_session, model_dir, capsys):
     import httpx
 
     from cluster.cli import main
@@ -180,6 +166,11 @@ def test_scale_through_the_gateway_and_the_cli(ray_session, model_dir, capsys):
     key = "sekret"
     cluster = start(model_dir, mixed=1, gateway={"api_key": key})
     with cluster, running(gateway_app(cluster)) as url:
+        with pytest.raises(ValueError, match="leaves none to serve"):
+            asyncio.run(cluster.scale("mixed", 0))
+        with pytest.raises(ValueError, match="role must be one of"):
+            asyncio.run(cluster.scale("gpu", 1))
+        assert len(cluster.instances) == 1
         endpoint = f"{url}/v1/admin/scale"
         body = {"role": "mixed", "count": 2}
         assert httpx.post(endpoint, json=body, timeout=60).status_code == 401
