@@ -26,12 +26,14 @@ from typing import Any
 
 import numpy as np
 import ray
+import torch
 from ray.actor import ActorHandle
 
 from actors.instance_metrics import InstanceMetrics
 from actors.kv_events import KVEventLog
 from actors.messages import LoadReport, PullReply, Route, StageTimes
 from actors.pixels import prefetch
+from actors.priority import run_at_normal_priority
 from actors.stage_clock import StageClock
 from actors.streams import PULL_WAIT_S, Outboxes, reap_orphans
 from actors.tp_worker import exit_instance, start_ray_workers
@@ -118,6 +120,7 @@ class InstanceActor:
 
     def __init__(self, spec: InstanceSpec) -> None:
         logging.basicConfig(level=logging.INFO)
+        run_at_normal_priority()
         # Each node resolves the model itself (a preset is written locally on first use).
         engine = dataclasses.replace(spec.engine, model=resolve_model_dir(spec.engine.model))
         spec = dataclasses.replace(spec, engine=engine)
@@ -477,6 +480,7 @@ class InstanceActor:
             "role": self.spec.role,
             "pid": os.getpid(),
             "node_id": self._node_id,
+            "num_threads": torch.get_num_threads(),
         }
         stats.update(self.core.stats())
         stats["num_active"] = len(self.core.request_ids())

@@ -18,6 +18,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.priority import run_at_normal_priority
 from engine.tp_worker import STOP_TIMEOUT_S, WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class TPWorkerActor:
         return os.getpid()
 
     def run(self, spec: WorkerSpec) -> None:
+        run_at_normal_priority()
         run_worker(spec)
 
 

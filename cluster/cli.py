@@ -128,6 +128,7 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "quantization": (("engine", "quantization"), str),
     "sim_time_scale": (("engine", "sim_time_scale"), float),
     "tensor_parallel_size": (("engine", "tensor_parallel_size"), int),
+    "num_threads": (("engine", "num_threads"), int),
     "migration_limit": (("router", "migration_limit"), int),
     "kv_pool_size": (("connector", "kv_pool_size_gib"), float),
 }

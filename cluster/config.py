@@ -161,6 +161,11 @@ class EngineSettings(_Strict):
         DEFAULT_TENSOR_PARALLEL_SIZE, ge=1, description="ranks each instance's model is sharded "
         "over (rank 0 in the instance's actor, the others in worker actors on its node)",
     )  # fmt: skip
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads per instance (each rank); unset: its "
+        "num_cpus (Ray's OMP_NUM_THREADS). More than its num_cpus lets a D that decodes alone "
+        "use idle cores, at the price of contention when every instance is busy",
+    )  # fmt: skip
     sim_time_scale: float | None = Field(
         None, gt=0, description="a sim: model runs every modeled duration this many times "
         "slower (unset: the profile's time_scale); instance stats count overrun steps",
@@ -410,6 +415,7 @@ class ClusterConfig(_Strict):
             seed=s.seed,
             sim_time_scale=s.sim_time_scale,
             tensor_parallel_size=s.tensor_parallel_size,
+            num_threads=s.num_threads,
         )
 
     def priority_scheduling(self) -> bool:

@@ -93,8 +93,11 @@ class EngineConfig:
     seed: int = 0
     sim_time_scale: float | None = None  # a sim: model's time scale; None: its profile's
     tensor_parallel_size: int = DEFAULT_TENSOR_PARALLEL_SIZE
+    num_threads: int | None = None  # torch intra-op threads of this process; None: as started
 
     def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"

@@ -50,6 +50,8 @@ class EngineCore:
     ) -> None:
         self.tp_launcher = tp_launcher
         self.tp: TensorParallelGroup | None = None
+        if config.num_threads is not None:  # before loading: the load-time races use them
+            torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)

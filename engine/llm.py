@@ -65,6 +65,7 @@ def engine_config_from_args(model: str, **engine_args: Any) -> EngineConfig:
             "seed",
             "sim_time_scale",
             "tensor_parallel_size",
+            "num_threads",
         },  # fmt: skip
     }
     for key, value in engine_args.items():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+from pathlib import Path
 
 import pytest
 import ray
@@ -83,6 +85,18 @@ def test_prefill_holds_blocks_until_decode_acks(epd, baseline, reference):
     stats = instance_stats(epd, "prefill")
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
     assert stats["acks_received"] == acks_before + 1
+
+
+def test_every_instance_runs_at_normal_priority_with_its_num_cpus_threads(epd):
+    """Ray starts workers at niceness 15; an instance raises itself to 0 where it may (here:
+    root), and runs torch on as many threads as CPUs it reserved (1)."""
+    if os.geteuid() != 0:
+        pytest.skip("raising a process's priority needs root or CAP_SYS_NICE")
+    for role in ("encoder", "prefill", "decode"):
+        stats = instance_stats(epd, role)
+        assert stats["num_threads"] == 1
+        threads = Path(f"/proc/{stats['pid']}/task").iterdir()
+        assert {os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in threads} == {0}, role
 
 
 async def _abort_when(cluster, request, stage_reached) -> None:

@@ -154,6 +154,14 @@ def test_role_engine_overrides_apply_to_that_role_only():
     assert prefill.scheduler.max_num_seqs == decode.scheduler.max_num_seqs == 32
 
 
+def test_num_threads_is_unset_by_default_and_set_per_role():
+    config = make_config(decode={"count": 1, "engine": {"num_threads": 2}})
+    assert config.engine_config("prefill", "/models/m").num_threads is None  # its num_cpus
+    assert config.engine_config("decode", "/models/m").num_threads == 2
+    with pytest.raises(ValueError, match="num_threads"):
+        make_config(engine={"num_threads": 0})
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_kv_load_failure_policy_reaches_the_scheduler(policy):
     config = make_config(connector={"kv_load_failure_policy": policy})

@@ -10,6 +10,21 @@ from engine import LLM, SamplingParams
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
+def test_num_threads_sets_the_process_torch_threads(preset_dir):
+    import torch
+
+    before = torch.get_num_threads()
+    want = 2 if before == 1 else 1
+    try:
+        llm = LLM(preset_dir("tiny-llama"), num_threads=want)
+        assert torch.get_num_threads() == want
+        assert llm.generate([5, 9, 300], PARAMS)[0].finish_reason == "length"
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="num_threads"):
+        LLM(preset_dir("tiny-llama"), num_threads=0)
+
+
 def test_a_failed_step_fails_every_request_and_forgets_cached_prefixes(preset_dir, monkeypatch):
     path = preset_dir("tiny-llama")
     llm = LLM(path, block_size=4)
