@@ -13,7 +13,11 @@ next starts (each server may use both cores). Printed per load: output tokens/s,
 inter-token latency, and pdcluster ÷ llama.cpp. Without --llama-server only pdcluster runs.
 
     python -m benchmarks.vs_llama_cpp --llama-server /work/peer/llama-server \\
-        [--model smollm2-135m] [--quantization int8] [--loads one,many,prefill]
+        [--model smollm2-135m] [--quantization int8] [--loads one,many,prefill] \\
+        [--variant "--num-threads 2" ...]
+
+Each `--variant` is one more pdcluster server, with those serve flags added (one server
+after the other, every one under the same loads).
 
 llama.cpp runs as `llama-server -m FILE -t THREADS -np N --cont-batching -c CTX`; pdcluster as
 `pdcluster serve --model MODEL --prefills 1 --decodes 1`. llama.cpp is never a dependency:
@@ -27,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -154,12 +159,14 @@ def stop(proc: subprocess.Popen) -> None:
 
 def server_commands(args: argparse.Namespace, gguf: Path) -> dict[str, list[str]]:
     max_streams = max(load.num_streams for load in make_loads(args).values())
+    serve = [
+        sys.executable, "-m", "cluster", "serve", "--model", args.model, "--prefills", "1",
+        "--decodes", "1", "--port", str(args.port), "--quantization", args.quantization,
+    ]  # fmt: skip
     commands = {
-        "pdcluster": [
-            sys.executable, "-m", "cluster", "serve", "--model", args.model, "--prefills", "1",
-            "--decodes", "1", "--port", str(args.port), "--quantization", args.quantization,
-        ],
-    }  # fmt: skip
+        " ".join(["pdcluster", *variant]): serve + variant
+        for variant in [[], *(shlex.split(v) for v in args.variant)]
+    }
     if args.llama_server:
         commands["llama.cpp"] = [
             args.llama_server, "-m", str(gguf), "-t", str(args.threads), "-np", str(max_streams),
@@ -174,7 +181,9 @@ def bench_server(
 ) -> dict[str, LoadResult]:
     url = f"http://127.0.0.1:{args.port}"
     print(f"== {name}: {' '.join(command)}", flush=True)
-    log_path = Path(f"/tmp/vs_llama_cpp-{name}.log")  # the server's output, for a failure
+    log_path = Path(
+        f"/tmp/vs_llama_cpp-{'_'.join(name.split())}.log"
+    )  # the server's output, for a failure
     print(f"   (its output: {log_path})", flush=True)
     log = log_path.open("wb")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -207,6 +216,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--loads", type=lambda s: s.split(","), default=["one", "many", "prefill"],
         help="comma list of one, many, prefill",
     )  # fmt: skip
+    p.add_argument(
+        "--variant", action="append", default=[],
+        help="serve flags of one more pdcluster server (repeatable)",
+    )  # fmt: skip
     p.add_argument("--one-requests", type=int, default=3, help="requests of the 'one' load")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's -t")
     p.add_argument("--port", type=int, default=8731)
@@ -225,11 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         name: bench_server(name, command, args, prompts)
         for name, command in server_commands(args, gguf).items()
     }
-    if "llama.cpp" in results:
-        print("pdcluster ÷ llama.cpp (tokens/s):")
+    theirs = results.pop("llama.cpp", None)
+    for name, ours in results.items() if theirs else ():
+        print(f"{name} ÷ llama.cpp (tokens/s):")
         for load_name in args.loads:
-            ours, theirs = results["pdcluster"][load_name], results["llama.cpp"][load_name]
-            print(f"  {load_name}: {ours.tokens_per_s / theirs.tokens_per_s:.2f}x")
+            ratio = ours[load_name].tokens_per_s / theirs[load_name].tokens_per_s
+            print(f"  {load_name}: {ratio:.2f}x")
     return 0
 
 

@@ -301,8 +301,12 @@ def init_ray(settings: RaySettings) -> bool:
             object_store_memory=settings.object_store_memory,
             # On the way out the driver flushes task events to the GCS, waiting up to 5 s
             # for one already gone (SIGTERM to the process group reaches it first): an
-            # embedded cluster's events die with it anyway.
-            _system_config={"task_events_shutdown_flush_timeout_ms": TASK_EVENTS_FLUSH_MS},
+            # embedded cluster's events die with it anyway. Workers start at niceness 0, not
+            # Ray's 15: they are the service (see actors/priority.py).
+            _system_config={
+                "task_events_shutdown_flush_timeout_ms": TASK_EVENTS_FLUSH_MS,
+                "worker_niceness": 0,
+            },
         )
         logger.info("Ray is up (embedded, %s CPUs)", ray.cluster_resources().get("CPU"))
         return True
