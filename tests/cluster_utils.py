@@ -177,9 +177,15 @@ def kv_pool_actor(cluster: Cluster) -> ray.actor.ActorHandle | None:
 
 def _describe(object_ids: set[str]) -> str:
     from ray._private.internal_api import memory_summary
+    from ray.util.state import list_actors
 
     summary = memory_summary(ray.get_runtime_context().gcs_address, line_wrap=False)
-    return "\n".join(line for line in summary.splitlines() if any(i in line for i in object_ids))
+    lines = [line for line in summary.splitlines() if any(i in line for i in object_ids)]
+    actors = [  # who the pids and the actor ids in those object ids are
+        f"actor {a.actor_id} pid {a.pid} {a.class_name} {a.name} {a.state}"
+        for a in list_actors(limit=1000)
+    ]
+    return "\n".join(lines + actors)
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
