@@ -38,6 +38,7 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
         SMALL_ENGINE,
         Load,
         assert_clean,
+        kv_pool_actor,
         live_object_ids,
         stats_by_id,
         wait_until,
@@ -50,12 +51,9 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
         role: {"count": count, "num_cpus": 1, "resources": {f"pdcluster_{role}": 1}}
         for role, count in (("prefill", 1), ("decode", 2))
     }
-    # The KV pool off: objects a dead node's instance published to it are a separate question
-    # (the leak check found some still referenced after the node's death; see the pool's tests).
-    connector = {"kv_pool_size_gib": 0}
-    config = ClusterConfig.model_validate(
-        {"model": model_dir, "engine": SMALL_ENGINE, "connector": connector, **roles}
-    )
+    # The KV pool on (the default): its owner lives on the head, so the node's death loses
+    # only what the dead instance held; moved streams may load their prefix from the pool.
+    config = ClusterConfig.model_validate({"model": model_dir, "engine": SMALL_ENGINE, **roles})
 
     with launch(config) as pd:
         baseline = live_object_ids()
@@ -88,6 +86,7 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
         after = stats_by_id(pd)[victim]
         assert_clean(pd, baseline, timeout_s=60)
         final = pd.wait_idle()
+        pool_entries = ray.get(kv_pool_actor(pd).stats.remote())["num_entries"]
     expected = LLM(model_dir, **SMALL_ENGINE).generate(prompts, params)
     return {
         "victim_running_at_kill": before["num_running"],
@@ -100,6 +99,7 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
         "victim_node_before": before["node_id"],
         "victim_node_after": after.get("node_id"),
         "victim_loads_after_restart": after.get("num_loads", 0),
+        "kv_pool_entries_after": pool_entries,  # the pool outlived the node (on the head)
         "free_equals_total": all(s["num_blocks_free"] == s["num_blocks_total"] for s in final),
     }
 

@@ -289,7 +289,24 @@ def test_after_its_p_is_killed_a_follow_up_turn_loads_prompt_and_reply_from_the_
         assert pool_stats(pool)["num_pinned_entries"] == 0
         held = set(ray.get(pool.object_ids.remote()))
         assert held
+
+        # The pool's owner dies (as with its node): Ray restarts it empty; turns recompute
+        # what it held, token for token, and publish again.
+        ray.kill(pool, no_restart=False)
+        assert wait_until(lambda: _answers_empty(pool), RESTART_TIMEOUT_S)
+        turn3 = cluster.generate([{"prompt_token_ids": [*follow_up, 5]}], PARAMS)[0]
+        assert turn3.token_ids == reference([*follow_up, 5])
+        assert wait_until(lambda: pool_stats(pool)["num_entries"] > 0)
+        assert_clean(cluster, baseline)
+        held = set(ray.get(pool.object_ids.remote()))
     assert wait_until(lambda: not held & live_object_ids())  # the pool ended with the cluster
+
+
+def _answers_empty(pool) -> bool:
+    try:
+        return ray.get(pool.stats.remote(), timeout=5)["num_entries"] == 0
+    except ray.exceptions.RayError:  # restarting
+        return False
 
 
 def _restarted(cluster, before: dict) -> bool:

@@ -77,4 +77,5 @@ def test_a_whole_node_dies_under_load_and_its_streams_go_on(preset_dir):
     assert result["token_ids"] == result["expected_token_ids"]
     assert result["restarted"] and result["victim_node_after"] != result["victim_node_before"]
     assert result["victim_loads_after_restart"] > 0  # the replacement took traffic
+    assert result["kv_pool_entries_after"] > 0
     assert result["free_equals_total"]

@@ -27,7 +27,7 @@ from actors.front import STATS_TIMEOUT_S, Front
 from actors.kv_pool import kv_pool_actor_name
 from actors.messages import KVEvents
 from cluster.config import ClusterConfig, RaySettings
-from cluster.control.pool import READY_TIMEOUT_S, PlacementTimeout, PoolController
+from cluster.control.pool import HEAD_RESOURCE, READY_TIMEOUT_S, PlacementTimeout, PoolController
 from engine.llm import RequestOutput, merge_output, new_request_output
 from engine.models.loader import read_model_info
 from engine.outputs import EngineCoreOutput
@@ -41,7 +41,6 @@ from routing.policy import RouterConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "preset:tiny-llava"
-HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 TASK_EVENTS_FLUSH_MS = 100
 
 

@@ -33,6 +33,7 @@ from cluster.config import ROLES, ClusterConfig
 from cluster.control.planner import Planner, signals_from_stats
 
 logger = logging.getLogger(__name__)
+HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 
 READY_TIMEOUT_S = 300.0  # the longest wait for the next new instance: placement, model load
 SERVING_ROLES = ("prefill", "decode", "mixed")
@@ -73,7 +74,9 @@ class PoolController:
 
     def _start_kv_pool(self) -> ray.actor.ActorHandle | None:
         """The cluster KV pool's owner (None when its size is 0): detached like the
-        instances, so that it outlives any one of them; it ends with the pool."""
+        instances, so that it outlives any one of them; it ends with the pool. On the head,
+        as this controller is: on a worker it would die with that worker's node (then its
+        entries are lost; readers recompute), and Ray restarts it empty wherever it dies."""
         size_gib = self.config.connector.kv_pool_size_gib
         if size_gib == 0:
             return None
@@ -82,7 +85,8 @@ class PoolController:
             ray.remote(KVPoolActor)
             .options(
                 name=kv_pool_actor_name(self.pool), get_if_exists=True, num_cpus=0,
-                max_concurrency=1000, lifetime="detached",
+                max_concurrency=1000, lifetime="detached", max_restarts=-1,
+                resources={HEAD_RESOURCE: 0.001},
             )
             .remote(capacity, self.config.connector.kv_load_timeout_s)
         )  # fmt: skip

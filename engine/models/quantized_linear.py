@@ -20,6 +20,7 @@ against float32. float32 (`quantization="none"`) stays the exact mode.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -28,6 +29,8 @@ from torch import nn
 
 from engine.models.fusion import fuse_projections
 from engine.models.packed_linear import PackedLinear
+
+logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # input rows the kernels are timed at
 NUM_TIMINGS = 3  # the best of these counts; each calls every copy once
@@ -166,6 +169,8 @@ def quantize_linears(model: nn.Module) -> int:
         if int8.max_rows:
             model.set_submodule(name, int8)
             num_wrapped += 1
+    limits = {f"{i}x{o}": rows for (_, i, o, _), rows in max_rows_of.items()}
+    logger.info("int8 serves up to this many rows per [in x out] shape: %s", limits)
     return num_wrapped
 
 
