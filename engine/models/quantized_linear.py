@@ -12,7 +12,7 @@ int8 serves (`max_rows`) is measured at load, per layer shape, over ROW_BUCKETS 
 bucket up to which int8 is faster at every bucket); a shape where int8 is never faster keeps
 float32 alone. Weights then take 1.25x float32's memory. The race reads its weights from
 memory, as a step does (a model's weights outgrow the CPU caches): each timed call runs on
-another copy of the weights, with COLD_BYTES of float32 copies in all. Timed on cache-hot
+another copy of the weights, with COLD_BYTES of float32 copies in all (MAX_COPIES at most). Timed on cache-hot
 weights, a 3072x576 float32 layer read at ~46 GB/s here and beat int8 at one row. Results are not exact:
 tests/test_quantization.py bounds greedy agreement, top-logprob closeness and perplexity
 against float32. float32 (`quantization="none"`) stays the exact mode.
@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # input rows the kernels are timed at
 NUM_TIMINGS = 3  # the best of these counts; each calls every copy once
 COLD_BYTES = 96 * 1024**2  # float32 bytes of the copies: beyond a server CPU's last-level cache
+MAX_COPIES = 32  # a small model's layers stay as cache-hot as its whole step keeps them
 # Largest allowed |int8 - float32| relative to the largest |float32| output at load, on
 # random inputs: per-channel int8 with bf16 activations stays within ~1% at these sizes.
 CHECK_TOL = 0.03
@@ -114,7 +115,7 @@ def _copies(int8: Int8Linear) -> tuple[list[nn.Module], list[nn.Module]]:
     """Copies of `int8` and of its float32 layer, enough that their weights come from memory."""
     float_layer = int8.float_layer
     weight_bytes = float_layer.weight.numel() * float_layer.weight.element_size()
-    count = -(-COLD_BYTES // weight_bytes)  # 1 for a layer as large (an lm_head)
+    count = min(MAX_COPIES, -(-COLD_BYTES // weight_bytes))  # 1 for an lm_head's size
     floats = [float_layer] + [_float_copy(float_layer) for _ in range(count - 1)]
     int8s = [int8] + [
         Int8Linear(int8.qweight.clone(), int8.scales, layer, int8.max_rows) for layer in floats[1:]
