@@ -189,18 +189,15 @@ def served_by(
         ),
         key=lambda t: t.sent_s,
     )
-    ttfts = [t.ttft_s for t in mine]
     return {
         "instance_id": scale_up.instance_id,
         "asked_at_s": scale_up.asked_s,
         "up_at_s": scale_up.up_s,
         "follow_ups": len(mine),
-        "follow_up_ttft_ms": {f"p{q}": _ms(percentile(ttfts, q)) for q in (50, 90)},
-        "first_follow_ups_ttft_ms": [_ms(v) for v in ttfts[:4]],
+        "follow_up_ttft_ms": _ttft_ms(mine),
+        "first_follow_ups_ttft_ms": [_ms(t.ttft_s) for t in mine[:4]],
         "follow_up_prompt_tokens": sum(t.num_prompt_tokens for t in mine),
-        "follow_up_prompt_tokens_computed": sum(
-            t.num_prompt_tokens - t.num_cached_tokens for t in mine
-        ),
+        "follow_up_prompt_tokens_computed": _tokens_computed(mine),
     }
 
 
@@ -213,21 +210,16 @@ def summarize(
     pool: dict[str, Any] | None,
     instances: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    def ttft(selected: list[Turn]) -> dict[str, float | None]:
-        values = [t.ttft_s for t in selected]
-        return {f"p{q}": _ms(percentile(values, q)) for q in (50, 90)}
-
     first = [t for t in turns if t.index == 0]
     follow = [t for t in turns if t.index > 0]
-    computed = sum(t.num_prompt_tokens - t.num_cached_tokens for t in follow)
     return {
         "variant": "pool on" if pool_on else "pool off",
         "turns": len(turns),
-        "first_turn_ttft_ms": ttft(first),
-        "follow_up_ttft_ms": ttft(follow),
+        "first_turn_ttft_ms": _ttft_ms(first),
+        "follow_up_ttft_ms": _ttft_ms(follow),
         "follow_up_prompt_tokens": sum(t.num_prompt_tokens for t in follow),
-        "follow_up_prompt_tokens_computed": computed,
-        "all_prompt_tokens_computed": sum(t.num_prompt_tokens - t.num_cached_tokens for t in turns),
+        "follow_up_prompt_tokens_computed": _tokens_computed(follow),
+        "all_prompt_tokens_computed": _tokens_computed(turns),
         "kv_pool_hit_tokens": sum(s.get("kv_pool_hit_tokens", 0) for s in instances),
         "kv_pool_mean_load_ms": _mean_of(instances, "kv_pool_mean_load_ms"),
         "kv_pool": pool,
@@ -235,6 +227,16 @@ def summarize(
         "load_avg_start": load_start,
         "load_avg_end": load_end,
     }
+
+
+def _ttft_ms(turns: list[Turn]) -> dict[str, float | None]:
+    values = [t.ttft_s for t in turns]
+    return {f"p{q}": _ms(percentile(values, q)) for q in (50, 90)}
+
+
+def _tokens_computed(turns: list[Turn]) -> int:
+    """Prompt tokens the turns' first-token instances computed (not found in a cache)."""
+    return sum(t.num_prompt_tokens - t.num_cached_tokens for t in turns)
 
 
 def _mean_of(instances: list[dict[str, Any]], key: str) -> float | None:

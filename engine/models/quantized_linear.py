@@ -12,9 +12,9 @@ int8 serves (`max_rows`) is measured at load, per layer shape, over ROW_BUCKETS 
 bucket up to which int8 is faster at every bucket); a shape where int8 is never faster keeps
 float32 alone. Weights then take 1.25x float32's memory. The race reads its weights from
 memory, as a step does (a model's weights outgrow the CPU caches): each timed call runs on
-another copy of the weights, with COLD_BYTES of float32 copies in all (MAX_COPIES at most). Timed on cache-hot
-weights, a 3072x576 float32 layer read at ~46 GB/s here and beat int8 at one row. Results are not exact:
-tests/test_quantization.py bounds greedy agreement, top-logprob closeness and perplexity
+another copy of the weights, with COLD_BYTES of float32 copies in all (MAX_COPIES at most).
+Timed on cache-hot weights, a 3072x576 float32 layer read at ~46 GB/s here and beat int8 at
+one row. Results are not exact: tests/test_quantization.py bounds greedy agreement, top-logprob closeness and perplexity
 against float32. float32 (`quantization="none"`) stays the exact mode.
 """
 
@@ -114,19 +114,20 @@ def _best_time_s(layers: list[nn.Module], x: torch.Tensor) -> float:
 def _copies(int8: Int8Linear) -> tuple[list[nn.Module], list[nn.Module]]:
     """Copies of `int8` and of its float32 layer, enough that their weights come from memory."""
     float_layer = int8.float_layer
-    weight_bytes = float_layer.weight.numel() * float_layer.weight.element_size()
-    count = min(MAX_COPIES, -(-COLD_BYTES // weight_bytes))  # 1 for an lm_head's size
-    floats = [float_layer] + [_float_copy(float_layer) for _ in range(count - 1)]
+    weight = float_layer.weight.detach()  # a packed layer's: unpacked once, here
+    count = min(MAX_COPIES, -(-COLD_BYTES // (weight.numel() * weight.element_size())))
+    floats = [float_layer] + [_float_copy(float_layer, weight) for _ in range(count - 1)]
     int8s = [int8] + [
         Int8Linear(int8.qweight.clone(), int8.scales, layer, int8.max_rows) for layer in floats[1:]
     ]
     return int8s, floats
 
 
-def _float_copy(layer: nn.Module) -> nn.Module:
-    """A float32 layer like `layer` (packed again where it is packed) on a copy of its weight."""
+def _float_copy(layer: nn.Module, weight: torch.Tensor) -> nn.Module:
+    """A float32 layer like `layer` (packed again where it is packed) on a copy of `weight`,
+    its dense weight."""
     dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
-    dense.weight.data = layer.weight.detach().clone()
+    dense.weight.data = weight.clone()
     if layer.bias is not None:
         dense.bias.data = layer.bias.detach().clone()
     if isinstance(layer, PackedLinear):
