@@ -9,7 +9,7 @@ torch's profiler over one such call per mode: self CPU time per op grouped into 
 attention (KV write, gather, SDPA) and the small ops (norms, RoPE, activations, residual
 adds, sampling), in ms per generated token (the short prompt's prefill included).
 
-    python -m benchmarks.decode_profile [--model smollm2-135m] [--quantizations none,int8]
+    python -m benchmarks.decode_profile [--model smollm2-135m] [--quantizations none,int8,int4]
         [--batch 1] [--steps 32] [--rounds 3] [--threads 1]
 """
 
@@ -25,9 +25,15 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.report import loadavg
 from engine import LLM, SamplingParams
 from engine.config import QUANTIZATIONS
-from engine.models.quantized_linear import Int8Linear
+from engine.models.quantized_linear import WeightOnlyLinear
 
-MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "aten::addmm", "aten::mm")
+MATMUL_OPS = (
+    "mkldnn::_linear_pointwise",
+    "aten::_weight_int8pack_mm",
+    "aten::_weight_int4pack_mm_for_cpu",
+    "aten::addmm",
+    "aten::mm",
+)
 ATTENTION_OPS = (
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::index_select",
@@ -97,14 +103,15 @@ def main() -> None:
             f"  {mode}: {ms:.1f} ms per step ({best_ms[base] / ms:.2f}x {base}'s speed), "
             f"CPU {cpu_ms:.1f} ms per step ({best_cpu_ms[base] / cpu_ms:.2f}x)"
         )
-        int8_rows = {
+        quantized_rows = {
             (m.in_features, m.out_features): m.max_rows
             for m in llms[mode].engine.runner.model.modules()
-            if isinstance(m, Int8Linear)
+            if isinstance(m, WeightOnlyLinear)
         }
-        if int8_rows:
+        if quantized_rows:
             print(
-                f"    int8 up to this many rows, per (in, out) shape measured at load: {int8_rows}"
+                f"    {mode} up to this many rows, per (in, out) shape measured at load: "
+                f"{quantized_rows}"
             )
     for mode, llm in llms.items():
         print(f"profile, quantization={mode}, ms per generated token (self CPU time):")

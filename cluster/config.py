@@ -154,7 +154,8 @@ class EngineSettings(_Strict):
     quantization: Quantization = Field(
         DEFAULT_QUANTIZATION,
         description="'none': weights in dtype (float32 on CPU: exact); 'int8': per-channel "
-        "int8 weights on CPU, in each layer where they measure faster at load (not exact)",
+        "int8 weights on CPU; 'int4': 4-bit weights in groups of 32 inputs on CPU (a Q4_1 "
+        "GGUF's own grid); each in every layer where it measures faster at load (not exact)",
     )
     seed: int = Field(0, description="seed for weights-independent randomness")
     tensor_parallel_size: int = Field(

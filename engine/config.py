@@ -14,9 +14,10 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 SchedulingPolicy = Literal["fcfs", "priority"]
 SCHEDULING_POLICIES = get_args(SchedulingPolicy)
 DEFAULT_SCHEDULING_POLICY: SchedulingPolicy = "fcfs"
-# none: weights in `dtype` (float32 on CPU is the exact mode); int8: per-channel int8 weights
-# where that measures faster, layer by layer, at load (CPU only; engine/models/quantized_linear)
-Quantization = Literal["none", "int8"]
+# none: weights in `dtype` (float32 on CPU is the exact mode); int8: per-channel int8 weights;
+# int4: 4-bit weights in groups of 32 inputs; each where it measures faster, layer by layer, at
+# load (CPU only; engine/models/quantized_linear)
+Quantization = Literal["none", "int8", "int4"]
 QUANTIZATIONS = get_args(Quantization)
 DEFAULT_QUANTIZATION: Quantization = "none"
 

@@ -15,7 +15,7 @@ from engine.attention import AttentionMetadata, allocate_kv_cache
 from engine.config import CacheConfig, Quantization
 from engine.models.loader import ModelInfo
 from engine.models.packed_linear import pack_linears
-from engine.models.quantized_linear import quantize_int8
+from engine.models.quantized_linear import quantize_model
 from engine.outputs import (
     NewRequestData,
     PromptLogprobs,
@@ -72,8 +72,8 @@ class ModelRunner:
             raise ValueError(f"quantization {quantization!r} runs on CPU only (device {device})")
         if device.type == "cpu":
             pack_linears(model)  # weights packed once; same results as F.linear (checked)
-        if quantization == "int8":
-            quantize_int8(model)  # fused projections, int8 where it measures faster
+        if quantization != "none":
+            quantize_model(model, quantization)  # fused projections, quantized where faster
         self.model = model
         self.tp = tp
         self.grammars = grammars

