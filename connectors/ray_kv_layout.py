@@ -133,14 +133,18 @@ class BlockArrays:
     def layout(self) -> tuple[tuple[int, ...], str]:
         return self.block_shape, self.dtype
 
-    def runs(self, block_ids: list[int]) -> tuple[list[np.ndarray], tuple[int, ...]]:
-        """One array [run_len, *block_shape] per run of consecutive ids, and the run lengths."""
+    def runs(
+        self, block_ids: list[int], owned: bool = False
+    ) -> tuple[list[np.ndarray], tuple[int, ...]]:
+        """One array [run_len, *block_shape] per run of consecutive ids, and the run lengths.
+        `owned`: arrays that never alias the blocks (read after the blocks are reused)."""
         runs = consecutive_runs(block_ids)
         if self._shards is not None:  # every rank's heads, gathered on this rank
             read = self._shards.read_blocks
             arrays = [numpy_compatible(read(s, n)).cpu().numpy() for s, n in runs]
         elif self._pool_np is not None:
             arrays = [self._pool_np[s : s + n] for s, n in runs]  # views: no gather copy
+            arrays = [a.copy() for a in arrays] if owned else arrays
         else:  # device pool: stage each run through host memory
             arrays = [self.tensor[s : s + n].cpu().numpy() for s, n in runs]
         return arrays, tuple(n for _, n in runs)
