@@ -13,10 +13,10 @@ a request.
 Publish (every role): a request that finished normally publishes the full blocks whose KV it
 holds and the pool, as far as this instance knows, does not: the ones after its local and
 pool hits on P or mixed (the prompt; on mixed the output too), the ones after P's prompt on D
-(the output, so the next turn's prefix includes the reply). One `ray.put` of views over the
-blocks' runs, handed to the pool's owner, which owns a copy. The put runs on a thread of its
-own, off the step loop: a request's blocks are copied out as it finishes (~1 ms for 6 MB, where
-the put measured 5-20 ms and stalled every other stream's next token while it ran).
+(the output, so the next turn's prefix includes the reply). One `ray.put` of a copy of the
+blocks' runs, handed to the pool's owner, which owns a copy of its own. The blocks are copied
+out as the request finishes (~1 ms for 6 MB) and the put runs on a thread of its own, off the
+step loop (it measured 5-20 ms there, and stalled every other stream's next token meanwhile).
 """
 
 from __future__ import annotations

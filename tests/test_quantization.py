@@ -159,16 +159,16 @@ def test_int8_layer_tracks_float32_on_outlier_rows():
     x = torch.randn(4, 128)
     x[0] *= 100.0  # a token whose activations dwarf the others' (as a prompt's first one)
     want = F.linear(x, weight, bias)  # [4, 64]
-    layer = nn.Linear(128, 64)
-    layer.weight.data, layer.bias.data = weight, bias
-    got = Int8Linear.from_layer(layer)(x)
+    got = Int8Linear.from_layer(_linear(weight, bias))(x)
     error = (got - want).norm(dim=1) / want.norm(dim=1)  # relative error per row
     assert error.max() < 0.02, error
 
 
-def _linear(weight: torch.Tensor) -> nn.Linear:
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     layer.weight.data = weight
+    if bias is not None:
+        layer.bias.data = bias
     return layer
 
 

@@ -3,7 +3,7 @@
 A decode step at a few rows reads every weight once, so its matmuls cost what their weights
 weigh. Both formats multiply bfloat16 activations by quantized weights with torch's weight-only
 kernels, and keep activations at bf16's relative precision (quantizing them to 8 bits too, as
-fbgemm's dynamic linear does, measured +13% perplexity on SmolLM2; int8 weights, +0.2%):
+fbgemm's dynamic linear does, measured +13% perplexity on SmolLM2; int8 weights, -0.1%):
 - `Int8Linear`: int8 with one scale per output row (symmetric, per channel;
   `torch._weight_int8pack_mm`): a quarter of float32's bytes.
 - `Int4Linear`: 4 bits with a scale and an offset per GROUP_SIZE inputs of each row
