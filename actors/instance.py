@@ -43,10 +43,11 @@ from connectors.ray_ec import RayECConnector
 from connectors.ray_kv import RayKVConnector
 from connectors.ray_kv_pool import RayKVPoolConnector
 from engine.config import EngineConfig
-from engine.core import EngineCore, resolve_device, resolve_dtype
+from engine.core import EngineCore, resolve_device
 from engine.encoder_core import EncoderCore
 from engine.outputs import EngineCoreOutput
 from engine.parallel import RankLost
+from engine.precision import Precision
 from engine.presets import resolve_model_dir
 from engine.request import Request
 from routing.handoff import for_decode, for_prefill
@@ -84,7 +85,7 @@ def build_core(
     """The engine for a role, with the connectors that role needs; `wake` is called when
     encoder outputs that a deferred request waits for have landed."""
     device = resolve_device(spec.engine.device)
-    dtype = resolve_dtype(spec.engine.dtype, device)
+    dtype = Precision.resolve(spec.engine.dtype, spec.engine.quantization, device).dtype
     if spec.role == "encoder":
         return EncoderCore(spec.engine, RayECConnector("producer", spec.ec_timeout_s))
     block_size = spec.engine.cache.block_size

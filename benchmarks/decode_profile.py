@@ -1,7 +1,8 @@
 """Decode speed of weight formats side by side, and where a decode step's time goes.
 
-Each of --quantizations is loaded once; then --rounds rounds each time one generate call of
---batch streams x --steps tokens per mode, in turn, and the best round per mode counts:
+Each mode (every --dtypes x --quantizations pair) is loaded once; then --rounds rounds each
+time one generate call of --batch streams x --steps tokens per mode, in turn, and the best
+round per mode counts:
 wall ms and CPU ms (this thread's, torch runs on --threads 1) per step, and each mode's
 speed-up over the first mode, measured in this run. CPU time is what to read on a shared
 machine: other processes stretch the wall time, not the CPU time. Then
@@ -9,8 +10,10 @@ torch's profiler over one such call per mode: self CPU time per op grouped into 
 attention (KV write, gather, SDPA) and the small ops (norms, RoPE, activations, residual
 adds, sampling), in ms per generated token (the short prompt's prefill included).
 
-    python -m benchmarks.decode_profile [--model smollm2-135m] [--quantizations none,int8,int4]
-        [--batch 1] [--steps 32] [--rounds 3] [--threads 1]
+    python -m benchmarks.decode_profile [--model smollm2-135m] [--dtypes float32,bfloat16]
+        [--quantizations none,int8,int4] [--batch 1] [--steps 32] [--rounds 3] [--threads 1]
+
+A mode prints as DTYPE:QUANTIZATION, with the formats each linear shape was given at load.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.report import loadavg
 from engine import LLM, SamplingParams
 from engine.config import QUANTIZATIONS
+from engine.models.packed_linear import PackedLinear
 from engine.models.quantized_linear import WeightOnlyLinear
+from engine.models.tiered_linear import TieredLinear
 
 MATMUL_OPS = (
     "mkldnn::_linear_pointwise",
@@ -65,12 +70,26 @@ def profile_call(llm: LLM, prompts: list[str], params: SamplingParams, steps: in
         print(f"    {op}: {ms:.2f}")
 
 
+def formats_by_shape(llm: LLM) -> dict[str, str]:
+    """'[in -> out]' -> the formats its linears serve rows in (as chosen at load)."""
+    found = {}
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, (TieredLinear, WeightOnlyLinear, PackedLinear)):
+            shape = f"[{module.in_features} -> {module.out_features}]"
+            found.setdefault(shape, f"{type(module).__name__}({module.extra_repr()})")
+    return found
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument(
+        "--dtypes", type=lambda s: s.split(","), default=["float32"],
+        help="comma list of auto, float32, bfloat16 (the linears' weights on CPU)",
+    )  # fmt: skip
+    p.add_argument(
         "--quantizations", type=lambda s: s.split(","), default=list(QUANTIZATIONS),
-        help=f"comma list of {', '.join(QUANTIZATIONS)}; the first is the baseline",
+        help=f"comma list of {', '.join(QUANTIZATIONS)}; the first mode is the baseline",
     )  # fmt: skip
     p.add_argument("--batch", type=int, default=1, help="streams decoding together")
     p.add_argument("--steps", type=int, default=32, help="tokens per stream per call")
@@ -78,7 +97,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    llms = {q: LLM(args.model, dtype="float32", quantization=q) for q in args.quantizations}
+    llms = {
+        f"{d}:{q}": LLM(args.model, dtype=d, quantization=q)
+        for d in args.dtypes
+        for q in args.quantizations
+    }
     prompts = [f"Hello there, number {i}" for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True)
     best_ms = dict.fromkeys(llms, float("inf"))
@@ -92,7 +115,7 @@ def main() -> None:
             cpu_ms = (time.thread_time() - start_cpu) * 1e3 / args.steps
             best_ms[mode] = min(best_ms[mode], (time.perf_counter() - start) * 1e3 / args.steps)
             best_cpu_ms[mode] = min(best_cpu_ms[mode], cpu_ms)
-    base = args.quantizations[0]
+    base = next(iter(llms))
     print(
         f"{args.model}, {args.batch} stream(s) x {args.steps} tokens, threads={args.threads}, "
         f"best of {args.rounds}, load average {loadavg()}:"
@@ -103,16 +126,8 @@ def main() -> None:
             f"  {mode}: {ms:.1f} ms per step ({best_ms[base] / ms:.2f}x {base}'s speed), "
             f"CPU {cpu_ms:.1f} ms per step ({best_cpu_ms[base] / cpu_ms:.2f}x)"
         )
-        quantized_rows = {
-            (m.in_features, m.out_features): m.max_rows
-            for m in llms[mode].engine.runner.model.modules()
-            if isinstance(m, WeightOnlyLinear)
-        }
-        if quantized_rows:
-            print(
-                f"    {mode} up to this many rows, per (in, out) shape measured at load: "
-                f"{quantized_rows}"
-            )
+        for shape, formats in formats_by_shape(llms[mode]).items():
+            print(f"    {shape}: {formats}")
     for mode, llm in llms.items():
         print(f"profile, quantization={mode}, ms per generated token (self CPU time):")
         profile_call(llm, prompts, params, args.steps)

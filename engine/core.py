@@ -14,6 +14,7 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import ModelInfo, load_model, read_model_info
 from engine.outputs import EngineCoreOutput, KVConnectorOutput, RunnerOutput, SchedulerOutput
 from engine.parallel import check_tp_size, shard_model
+from engine.precision import Precision
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.sim.profile import read_folder_profile, sim_cache
@@ -31,13 +32,6 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        # bf16 matmul is far slower than fp32 on CPUs without AMX.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
 class EngineCore:
     """Steps one instance. Not thread-safe: its owner calls every method from one thread."""
 
@@ -53,7 +47,8 @@ class EngineCore:
         if config.num_threads is not None:  # before loading: the load-time races use them
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.precision = Precision.resolve(config.dtype, config.quantization, self.device)
+        self.dtype = self.precision.dtype
         torch.manual_seed(config.seed)
         self.tokenizer = Tokenizer(config.model)
         self.sim_profile = read_folder_profile(config.model)
@@ -94,8 +89,8 @@ class EngineCore:
             self.tp.start_cache(self.runner_cache)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
         runner = ModelRunner(
-            model, runner_info, self.runner_cache, self.device, self.dtype, self.grammars,
-            self.tp, quantization=config.quantization,
+            model, runner_info, self.runner_cache, self.device, self.precision, self.grammars,
+            self.tp,
         )  # fmt: skip
         if self.tp is not None:
             self.tp.attach_kv_cache(runner.kv_cache, self.model_info.num_kv_heads)
@@ -108,7 +103,9 @@ class EngineCore:
         check_tp_size(model, size)
         if size == 1:
             return self.model_info
-        self.tp = TensorParallelGroup(config.model, self.device, self.dtype, size, self.tp_launcher)
+        self.tp = TensorParallelGroup(
+            config.model, self.device, self.precision, size, self.tp_launcher
+        )
         shard_model(model, self.tp.comm)
         return local_info(self.model_info, self.tp.comm)
 

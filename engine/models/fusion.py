@@ -1,8 +1,8 @@
 """Sibling projections that read the same input, fused into one layer: a decoder attention's
 q, k and v (`qkv_proj`), a gated MLP's gate and up (`gate_up_proj`). One matmul over the
 concatenated weights replaces two or three, which at decode batch sizes saves the calls' fixed
-costs and reads the input once. Used by the non-exact modes only (`quantization="int8"|"int4"`):
-float32 keeps the checkpoint's separate layers, the ones the token-exact tests check.
+costs and reads the input once. Used by the non-exact modes only (a quantization, or weights in
+bf16): float32 keeps the checkpoint's separate layers, the ones the token-exact tests check.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from torch import nn
 
 from engine.models.llama import DecoderAttention
 from engine.models.mlp import GatedMLP
-from engine.models.packed_linear import PackedLinear, packing_available
 
 # module type -> (the fused layer's attribute, the siblings it replaces, in output order)
 FUSIBLE: dict[type[nn.Module], tuple[str, tuple[str, ...]]] = {
@@ -22,18 +21,15 @@ FUSIBLE: dict[type[nn.Module], tuple[str, tuple[str, ...]]] = {
 
 
 @torch.no_grad()
-def fused_linear(parts: list[nn.Module]) -> nn.Module:
-    """One float32 layer computing every part's output, concatenated in order (packed for
-    oneDNN where that is available and checks out)."""
+def fused_linear(parts: list[nn.Module]) -> nn.Linear:
+    """One float32 layer computing every part's output, concatenated in order."""
     weight = torch.cat([p.weight.detach().float() for p in parts])  # [sum(out), in]
     has_bias = parts[0].bias is not None
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device)
     linear.weight.copy_(weight)
     if has_bias:
         linear.bias.copy_(torch.cat([p.bias.detach().float() for p in parts]))
-    linear.requires_grad_(False)
-    packed = PackedLinear.from_linear(linear, keep_dense=False) if packing_available() else None
-    return linear if packed is None else packed
+    return linear.requires_grad_(False)
 
 
 def fuse_projections(model: nn.Module) -> int:

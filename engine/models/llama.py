@@ -209,7 +209,6 @@ class DecoderAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.qkv_sizes = (q_size, kv_size, kv_size)
         # q, k and v in one layer when `fusion.fuse_projections` built one (then the three
         # are None): one matmul over the input instead of three.
         self.qkv_proj: nn.Module | None = None
@@ -217,6 +216,12 @@ class DecoderAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+
+    @property
+    def qkv_sizes(self) -> tuple[int, int, int]:
+        """Output features of q, k and v (this rank's heads when sharded)."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return q_size, kv_size, kv_size
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]

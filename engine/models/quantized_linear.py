@@ -12,58 +12,37 @@ fbgemm's dynamic linear does, measured +13% perplexity on SmolLM2; int8 weights,
   weights, `d * q + m`), so a Q4_1 checkpoint's weights come back as the file holds them, bar
   bf16's rounding of each group's scale and offset.
 
-Those kernels convert through bf16, which this kind of CPU (AVX2, no native bf16) does slowly
-on many rows, so each swapped layer keeps its float32 twin for larger batches: the most rows
-the quantized kernel serves (`max_rows`) is measured at load, per layer shape, over ROW_BUCKETS
-(the largest bucket up to which it is faster at every bucket); a shape where it is never faster
-keeps float32 alone. Weights then take float32's memory and the quantized copy's. The race
-reads its weights from memory, as a step does (a model's weights outgrow the CPU caches): each
-timed call runs on another copy of the weights, with COLD_BYTES of float32 copies in all
-(MAX_COPIES at most). Timed on cache-hot weights, a 3072x576 float32 layer read at ~46 GB/s
-here and beat int8 at one row. Results are not exact: tests/test_quantization.py bounds greedy
-agreement, top-logprob closeness and perplexity against float32. float32
-(`quantization="none"`) stays the exact mode.
+Those kernels are fast at one to a few rows and slow on many (they dequantize per row block),
+so a quantized layer serves only the row counts it was measured fastest at, beside a float
+format for the rest (engine/models/tiered_linear.py). Results are not exact:
+tests/test_quantization.py bounds greedy agreement, top-logprob closeness and perplexity
+against float32. float32 (`quantization="none"`) stays the exact mode.
 """
 
 from __future__ import annotations
-
-import logging
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.fusion import fuse_projections
-from engine.models.packed_linear import PackedLinear
-
-logger = logging.getLogger(__name__)
-
-ROW_BUCKETS = (1, 2, 4, 8, 16)  # input rows the kernels are timed at
-NUM_TIMINGS = 3  # the best of these counts; each calls every copy once
-COLD_BYTES = 96 * 1024**2  # float32 bytes of the copies: beyond a server CPU's last-level cache
-MAX_COPIES = 32  # a small model's layers stay as cache-hot as its whole step keeps them
 GROUP_SIZE = 32  # int4: inputs sharing one scale and offset (GGUF's Q4_0/Q4_1 block)
 
 
 class WeightOnlyLinear(nn.Module):
-    """`y ~= x @ W.T + b` with W quantized, for inputs of up to `max_rows` rows; larger inputs
-    go to `float_layer` (the float32 layer it replaced). Build with `from_layer`; subclasses
-    say how a weight is quantized and multiplied."""
+    """`y ~= x @ W.T + b` with W quantized: float32 in and out, bf16 products. Build with
+    `from_layer`; subclasses say how a weight is quantized and multiplied."""
 
     # Largest allowed |quantized - float32| relative to the largest |float32| output at load,
     # on random inputs: catches a kernel that misreads its layout, not rounding.
     check_tol: float
+    check_rows = 16  # rows of that check
 
-    def __init__(
-        self, qweight: torch.Tensor, scales: torch.Tensor, float_layer: nn.Module, max_rows: int
-    ) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, layer: nn.Module) -> None:
         super().__init__()
         self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
-        self.float_layer = float_layer
-        self.in_features, self.out_features = float_layer.in_features, float_layer.out_features
-        self.max_rows = max_rows
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.bias = layer.bias  # float32, added after the product
 
     @staticmethod
     def available() -> bool:
@@ -83,14 +62,16 @@ class WeightOnlyLinear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_layer(cls, layer: nn.Module) -> WeightOnlyLinear | None:
-        """The quantized twin of float32 `layer` (serving every row count until measured),
-        or None when the kernel cannot run it or its results stray from the layer's."""
+        """The quantized twin of float32 `layer`, or None when the kernel is missing, cannot
+        run it, or its results stray from the layer's."""
+        if not cls.available():
+            return None
         weight = layer.weight.detach().float()  # [out, in]
         quantized = cls.quantize(weight)
         if quantized is None:
             return None
-        twin = cls(*quantized, layer, max(ROW_BUCKETS))
-        x = torch.randn(max(ROW_BUCKETS), layer.in_features, generator=torch.Generator())
+        twin = cls(*quantized, layer)
+        x = torch.randn(cls.check_rows, layer.in_features, generator=torch.Generator())
         try:
             got = twin(x)
         except RuntimeError:
@@ -98,28 +79,15 @@ class WeightOnlyLinear(nn.Module):
         want = F.linear(x, weight, layer.bias)
         return twin if (got - want).abs().max() <= cls.check_tol * want.abs().max() else None
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.float_layer.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.float_layer.bias
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [N, in]
-        if rows.shape[0] > self.max_rows:
-            return self.float_layer(x)
-        out = self.matmul(rows.bfloat16()).float()
+        out = self.matmul(rows.bfloat16()).float()  # [N, out]
         if self.bias is not None:
             out += self.bias
-        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)  # [..., out]
+        return out.view(*x.shape[:-1], self.out_features)  # [..., out]
 
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"quantized up to {self.max_rows} rows"
-        )
+        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class Int8Linear(WeightOnlyLinear):
@@ -184,89 +152,3 @@ HEAD, HEAD_FORMAT = "lm_head", Int8Linear
 def format_of(name: str, quantization: str) -> type[WeightOnlyLinear]:
     """The layer that quantizes the linear named `name` in mode `quantization`."""
     return HEAD_FORMAT if name.rsplit(".", 1)[-1] == HEAD else FORMATS[quantization]
-
-
-def _best_time_s(layers: list[nn.Module], x: torch.Tensor) -> float:
-    """The best of NUM_TIMINGS timings of one call on each of `layers`."""
-    layers[0](x)  # warm-up: first-call allocations
-    best = float("inf")
-    for _ in range(NUM_TIMINGS):
-        start = time.perf_counter()
-        for layer in layers:
-            layer(x)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _copies(twin: WeightOnlyLinear) -> tuple[list[nn.Module], list[nn.Module]]:
-    """Copies of `twin` and of its float32 layer, enough that their weights come from memory."""
-    float_layer = twin.float_layer
-    weight = float_layer.weight.detach()  # a packed layer's: unpacked once, here
-    count = min(MAX_COPIES, -(-COLD_BYTES // (weight.numel() * weight.element_size())))
-    floats = [float_layer] + [_float_copy(float_layer, weight) for _ in range(count - 1)]
-    kind = type(twin)
-    twins = [twin] + [
-        kind(twin.qweight.clone(), twin.scales, layer, twin.max_rows) for layer in floats[1:]
-    ]
-    return twins, floats
-
-
-def _float_copy(layer: nn.Module, weight: torch.Tensor) -> nn.Module:
-    """A float32 layer like `layer` (packed again where it is packed) on a copy of `weight`,
-    its dense weight."""
-    dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
-    dense.weight.data = weight.clone()
-    if layer.bias is not None:
-        dense.bias.data = layer.bias.detach().clone()
-    if isinstance(layer, PackedLinear):
-        return PackedLinear.from_linear(dense, keep_dense=False) or dense
-    return dense
-
-
-@torch.no_grad()
-def measure_max_rows(twin: WeightOnlyLinear) -> int:
-    """The largest bucket of ROW_BUCKETS up to which `twin` beats its float32 layer at every
-    bucket (timings interleaved, each the best of several, so that a noisy neighbour does not
-    decide alone; weights read from memory, see `_copies`); 0 when it loses at one row."""
-    twins, floats = _copies(twin)
-    max_rows = 0
-    for rows in ROW_BUCKETS:
-        x = torch.randn(rows, twin.in_features)
-        if _best_time_s(twins, x) >= _best_time_s(floats, x):
-            break
-        max_rows = rows
-    return max_rows
-
-
-def quantize_linears(model: nn.Module, quantization: str) -> int:
-    """Wrap each float32 linear of `model` in its `format_of` layer where that measures faster
-    at one row at least, in place; layers of one shape and format share one measurement.
-    Returns how many layers were wrapped (none where a kernel is missing)."""
-    # (format, layer type, in, out, bias) -> rows
-    max_rows_of: dict[tuple[type, type, int, int, bool], int] = {}
-    num_wrapped = 0
-    for name, layer in list(model.named_modules()):
-        if not isinstance(layer, (nn.Linear, PackedLinear)) or layer.weight.dtype != torch.float32:
-            continue
-        kind = format_of(name, quantization)
-        twin = kind.from_layer(layer) if kind.available() else None
-        if twin is None:
-            continue
-        shape = (kind, type(layer), layer.in_features, layer.out_features, layer.bias is not None)
-        if shape not in max_rows_of:
-            max_rows_of[shape] = measure_max_rows(twin)
-        twin.max_rows = max_rows_of[shape]
-        if twin.max_rows:
-            model.set_submodule(name, twin)
-            num_wrapped += 1
-    limits = {f"{k.__name__} {i}x{o}": rows for (k, _, i, o, _), rows in max_rows_of.items()}
-    logger.info("quantized kernels serve up to this many rows per [in x out] shape: %s", limits)
-    return num_wrapped
-
-
-def quantize_model(model: nn.Module, quantization: str) -> int:
-    """What `quantization="int8"` or `"int4"` does to a loaded float32 model, in place:
-    sibling projections fused (engine/models/fusion.py), then `quantize_linears`. Returns how
-    many layers serve a quantized format."""
-    fuse_projections(model)
-    return quantize_linears(model, quantization)
