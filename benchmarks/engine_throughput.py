@@ -24,7 +24,11 @@ weights, which every step reads once, over the read bandwidth of one thread meas
 sum over a 1 GiB tensor). Torch runs on --threads threads (1: what an instance actor gets).
 
     python -m benchmarks.engine_throughput [--preset small-llama | --model MODEL]
-        [--workloads equal,conversation,prefill-heavy] [--repeats 3] [--threads 1] ...
+        [--workloads equal,conversation,prefill-heavy] [--repeats 3] [--threads 1]
+        [--dtype float32 --quantization none] [--hf-dtype float32] ...
+
+Ours defaults to the exact mode (float32, no quantization), transformers' own CPU default;
+--dtype and --quantization measure a faster format against the same transformers.
 """
 
 from __future__ import annotations
@@ -146,7 +150,7 @@ def build_llm(model_dir: Path, args: argparse.Namespace, workloads: list[Workloa
         "max_num_seqs": args.max_num_seqs or num_seqs,
         "max_model_len": max_len,
         "enable_prefix_caching": args.prefix_caching == "on",
-        "dtype": "float32",
+        "dtype": args.dtype,
         "quantization": args.quantization,
         "device": "cpu",
     }
@@ -164,16 +168,16 @@ def run_ours(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> Timi
 
 
 # ---- transformers -------------------------------------------------------------------------
-def load_hf(model_dir: Path) -> torch.nn.Module:
+def load_hf(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     """The same checkpoint in transformers: the GGUF file itself when the folder links one."""
     from transformers import AutoModelForCausalLM
 
     if (model_dir / GGUF_WEIGHTS).exists():
         gguf_file = (model_dir / GGUF_WEIGHTS).resolve()
         return AutoModelForCausalLM.from_pretrained(
-            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+            gguf_file.parent, gguf_file=gguf_file.name, dtype=dtype
         ).eval()
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 def left_pad(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,7 +307,10 @@ def print_config(
         f"load average {machine['loadavg_start']}, commit {str(machine['git_commit'])[:10]}"
         f"{' (dirty)' if machine['git_dirty'] else ''}"
     )
-    print(f"model: {label} ({model_dir}), {num_params / 1e6:.1f}M params, float32, cpu")
+    print(
+        f"model: {label} ({model_dir}), {num_params / 1e6:.1f}M params, cpu; ours dtype "
+        f"{args.dtype} quantization {args.quantization}, transformers {args.hf_dtype}"
+    )
     print(
         f"torch {torch.__version__} ({torch.get_num_threads()} threads per side), "
         f"transformers {transformers.__version__}; greedy, {args.repeats} rounds per workload"
@@ -409,6 +416,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--quantization", choices=QUANTIZATIONS, default=DEFAULT_QUANTIZATION, help="ours"
     )
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "auto"), default="float32",
+        help="ours (float32: the exact mode, as transformers')",
+    )  # fmt: skip
+    p.add_argument(
+        "--hf-dtype", choices=("float32", "bfloat16"), default="float32", help="transformers"
+    )
     return p.parse_args()
 
 
@@ -417,7 +431,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir, label = resolve_model(args)
-    hf_model = load_hf(model_dir)
+    hf_model = load_hf(model_dir, getattr(torch, args.hf_dtype))
     first_token_id = max(Tokenizer(model_dir).special_ids, default=-1) + 1
     workloads = build_workloads(args, vocab_size_of(hf_model), first_token_id)
     llm = build_llm(model_dir, args, workloads)

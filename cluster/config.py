@@ -149,13 +149,18 @@ class EngineSettings(_Strict):
     )
     device: str = Field("auto", description="'auto' (cuda if present), 'cpu', 'cuda', 'cuda:N'")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="'auto': float32 on CPU, bfloat16 on GPU"
+        "auto",
+        description="GPU: the model's dtype ('auto': bfloat16). CPU: the linear "
+        "layers' weights (activations and KV stay float32); 'auto': float32 (exact) without a "
+        "quantization, with one bf16 or float32 per layer and row count as measured at load; "
+        "'float16' runs as 'bfloat16'",
     )
     quantization: Quantization = Field(
         DEFAULT_QUANTIZATION,
         description="'none': weights in dtype (float32 on CPU: exact); 'int8': per-channel "
         "int8 weights on CPU; 'int4': 4-bit weights in groups of 32 inputs on CPU (a Q4_1 "
-        "GGUF's own grid); each in every layer where it measures faster at load (not exact)",
+        "GGUF's own grid); each for the row counts where it measures fastest at load, a float "
+        "format for the rest (not exact)",
     )
     seed: int = Field(0, description="seed for weights-independent randomness")
     tensor_parallel_size: int = Field(
