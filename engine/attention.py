@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import paged_decode_attention
+
 if TYPE_CHECKING:
     from engine.models.loader import ModelInfo
 
@@ -308,6 +310,16 @@ def attend(
     return torch.matmul(weights, v)  # [N, H, q_len, hd]
 
 
+def _kernel_applies(q: torch.Tensor, kv_cache: torch.Tensor, opts: AttentionOptions) -> bool:
+    """Whether the compiled decode kernel computes what `attend` would here."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == kv_cache.dtype == torch.float32
+        and kv_cache.is_contiguous()
+        and opts.softcap is None
+    )
+
+
 def decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -315,7 +327,16 @@ def decode_attention(
     decodes: DecodeBatch,
     opts: AttentionOptions,
 ) -> torch.Tensor:
-    """q: [D, H, hd], one query per sequence, over its whole context. Returns [D, H, hd]."""
+    """q: [D, H, hd], one query per sequence, over its whole context. Returns [D, H, hd].
+    On CPU with a float32 cache, the compiled kernel reads the KV in place (engine/kernels);
+    elsewhere, or where it could not be built, the context is gathered for SDPA."""
+    kernel = paged_decode_attention() if _kernel_applies(q, kv_cache, opts) else None
+    if kernel is not None:
+        window = opts.sliding_window or 0
+        return kernel(
+            q.contiguous(), kv_cache, layer_idx, decodes.block_tables, decodes.seq_lens,
+            opts.scale, window,
+        )  # fmt: skip
     layer_kv = gather_kv(kv_cache, layer_idx, decodes.block_tables, q.dtype)  # [2, D, kvh, ctx, hd]
     mask = decodes.key_mask  # [D, 1, 1, ctx]
     if opts.sliding_window is not None:

@@ -1,4 +1,5 @@
-"""paged_attention against a plain per-sequence SDPA on dense K/V (no Ray, no model)."""
+"""paged_attention against a plain per-sequence SDPA on dense K/V, and the compiled decode
+kernel against the gathered-context path (no Ray, no model)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine import attention
+from engine.attention import AttentionMetadata, AttentionOptions, DecodeBatch, paged_attention
+from engine.kernels import paged_decode_attention
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 6, 2, 8, 64
 
@@ -102,3 +105,42 @@ def test_metadata_splits_decodes_from_prefill_segments():
 def test_decode_only_step_has_no_row_indices():
     meta = AttentionMetadata.build([3, 8], [1, 1], [[1], [2, 3, 4]], BLOCK_SIZE, "cpu")
     assert meta.decodes.token_indices is None and meta.prefills == []
+
+
+@pytest.fixture(scope="module")
+def decode_kernel():
+    kernel = paged_decode_attention()
+    if kernel is None:
+        pytest.skip("the decode-attention kernel could not be built here (see its log)")
+    return kernel
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_kernel_matches_the_gathered_path(decode_kernel, window, monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    num_layers, seq_lens = 3, [1, 4, 5, 17, 30, 9]
+    kv_cache = torch.randn(
+        NUM_BLOCKS, num_layers, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen
+    )
+    tables = make_tables([(n - 1, 1) for n in seq_lens], gen)
+    decodes = DecodeBatch.build(
+        list(range(len(seq_lens))), seq_lens, tables, BLOCK_SIZE, len(seq_lens), "cpu"
+    )
+    q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=gen)
+    opts = AttentionOptions(scale=0.3, sliding_window=window)
+    got = attention.decode_attention(q, kv_cache, 1, decodes, opts)
+    monkeypatch.setattr(attention, "paged_decode_attention", lambda: None)
+    want = attention.decode_attention(q, kv_cache, 1, decodes, opts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_kernel_rejects_what_it_cannot_read(decode_kernel):
+    kv_cache = torch.zeros(4, 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    q = torch.zeros(1, NUM_HEADS, HEAD_DIM)
+    table, lens = torch.tensor([[0, 1]]), torch.tensor([3])
+    with pytest.raises(RuntimeError, match="float32"):
+        decode_kernel(q.double(), kv_cache, 0, table, lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        decode_kernel(q, kv_cache, 0, torch.tensor([[0, 9]]), lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match="sequence length"):
+        decode_kernel(q, kv_cache, 0, table, torch.tensor([9]), 1.0, 0)
