@@ -40,6 +40,7 @@ MATMUL_OPS = (
     "aten::mm",
 )
 ATTENTION_OPS = (
+    "pdcluster::paged_decode_attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::index_select",
     "aten::_index_put_impl_",

@@ -6,9 +6,10 @@ Each is C++ next to this file, compiled by torch's extension JIT (a C++ compiler
 Where it cannot be built (no compiler, a torch without its headers), the caller's torch path
 runs instead; that is logged once. Nothing here is needed for correctness.
 
-- `paged_decode_attention(q, kv_cache, layer, block_tables, seq_lens, scale, window)`: one
-  query per sequence over its paged float32 KV (engine/attention.py's decode path), reading
-  each key and value in place instead of gathering the context into a copy first.
+- `torch.ops.pdcluster.paged_decode_attention(q, kv_cache, layer, block_tables, seq_lens,
+  scale, window)`: one query per sequence over its paged float32 KV (engine/attention.py's
+  decode path), reading each key and value in place instead of gathering the context into a
+  copy first.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
         from torch.utils.cpp_extension import load
 
         capability = torch.backends.cpu.get_cpu_capability().lower()
-        module = load(
+        load(
             name=f"pdcluster_paged_attention_{capability}",
             sources=[str(SOURCE_DIR / "paged_attention.cpp")],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
+            is_python_module=False,  # registers torch.ops.pdcluster.*
         )
     except Exception as e:  # a missing compiler or ninja, a failed build: the torch path
         logger.warning("paged decode attention kernel unavailable, torch's path runs: %s", e)
         return None
-    return module.paged_decode_attention
+    return torch.ops.pdcluster.paged_decode_attention

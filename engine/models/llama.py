@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
@@ -185,6 +186,9 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32 and not self.unit_offset:
+            # torch's fused norm: bit for bit the float32 ops below, in one call
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()  # statistics in float32 whatever the model dtype
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
