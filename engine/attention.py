@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import paged_decode_attention
+from engine.kernels import cpu_kernels
 
 if TYPE_CHECKING:
     from engine.models.loader import ModelInfo
@@ -239,6 +239,42 @@ def _split_decodes_and_prefills(
     return decodes, prefills
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x [T, heads, hd]; cos, sin [T, 1, hd]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _kernels_for(q: torch.Tensor, kv_cache: torch.Tensor):
+    """The compiled CPU kernels where they compute what the torch ops here would (float32 on
+    CPU, a contiguous cache), else None."""
+    if q.device.type == "cpu" and q.dtype == kv_cache.dtype == torch.float32:
+        return cpu_kernels() if kv_cache.is_contiguous() else None
+    return None
+
+
+def store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer_idx: int,
+    meta: AttentionMetadata,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """Write the new tokens' K/V to their slots, after RoPE (`rope`: cos, sin [T, 1, hd]) on
+    q and k where given; returns q, rotated. One pass in the CPU kernel where it applies."""
+    kernels = _kernels_for(q, kv_cache) if rope is not None else None
+    if kernels is not None:
+        return kernels.rope_and_cache_kv(
+            q, k, v, *rope, kv_cache, layer_idx, meta.slot_block_ids, meta.slot_offsets
+        )
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    write_kv(k, v, kv_cache, layer_idx, meta)
+    return q
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -310,16 +346,6 @@ def attend(
     return torch.matmul(weights, v)  # [N, H, q_len, hd]
 
 
-def _kernel_applies(q: torch.Tensor, kv_cache: torch.Tensor, opts: AttentionOptions) -> bool:
-    """Whether the compiled decode kernel computes what `attend` would here."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == kv_cache.dtype == torch.float32
-        and kv_cache.is_contiguous()
-        and opts.softcap is None
-    )
-
-
 def decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -330,10 +356,10 @@ def decode_attention(
     """q: [D, H, hd], one query per sequence, over its whole context. Returns [D, H, hd].
     On CPU with a float32 cache, the compiled kernel reads the KV in place (engine/kernels);
     elsewhere, or where it could not be built, the context is gathered for SDPA."""
-    kernel = paged_decode_attention() if _kernel_applies(q, kv_cache, opts) else None
-    if kernel is not None:
+    kernels = _kernels_for(q, kv_cache) if opts.softcap is None else None
+    if kernels is not None:
         window = opts.sliding_window or 0
-        return kernel(
+        return kernels.paged_decode_attention(
             q.contiguous(), kv_cache, layer_idx, decodes.block_tables, decodes.seq_lens,
             opts.scale, window,
         )  # fmt: skip
@@ -372,6 +398,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's tokens 0..pos (or its window).
 
@@ -379,10 +406,11 @@ def paged_attention(
     head_dim]. K/V of the new tokens are written to the cache first, then read back with the
     context through the block tables, so prefix hits, chunks and decodes share one path.
     Decodes run as one batch; each prefill chunk runs alone over its own context.
-    `sliding_window` and `softcap` are as in `AttentionOptions`.
+    `sliding_window` and `softcap` are as in `AttentionOptions`; `rope` (cos, sin, each
+    [T, 1, head_dim]) rotates q and k first (`store_kv`).
     """
     opts = AttentionOptions(scale, sliding_window, softcap)
-    write_kv(k, v, kv_cache, layer_idx, meta)
+    q = store_kv(q, k, v, kv_cache, layer_idx, meta, rope)
     decodes = meta.decodes
     if decodes is not None and decodes.token_indices is None:  # decode-only step
         return decode_attention(q, kv_cache, layer_idx, decodes, opts)  # [T, H, hd]

@@ -13,7 +13,7 @@ import torch
 
 from engine.attention import AttentionMetadata, allocate_kv_cache
 from engine.config import CacheConfig
-from engine.kernels import paged_decode_attention
+from engine.kernels import cpu_kernels
 from engine.models.loader import ModelInfo
 from engine.models.tiered_linear import prepare_linears
 from engine.outputs import (
@@ -72,7 +72,7 @@ class ModelRunner:
             raise ValueError(f"quantization {quantization!r} runs on CPU only (device {device})")
         if device.type == "cpu":  # packed once; each format where it measured fastest
             prepare_linears(model, quantization, precision.linear_dtypes)
-            paged_decode_attention()  # built now (once per machine), not in a step
+            cpu_kernels()  # built now (once per machine), not in a step
         self.model = model
         self.tp = tp
         self.grammars = grammars

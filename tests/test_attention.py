@@ -1,5 +1,5 @@
-"""paged_attention against a plain per-sequence SDPA on dense K/V, and the compiled decode
-kernel against the gathered-context path (no Ray, no model)."""
+"""paged_attention against a plain per-sequence SDPA on dense K/V, and the compiled CPU kernels
+against the torch paths they replace (no Ray, no model)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from engine import attention
-from engine.attention import AttentionMetadata, AttentionOptions, DecodeBatch, paged_attention
-from engine.kernels import paged_decode_attention
+from engine.attention import (
+    AttentionMetadata,
+    AttentionOptions,
+    DecodeBatch,
+    apply_rope,
+    paged_attention,
+    write_kv,
+)
+from engine.kernels import cpu_kernels
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 6, 2, 8, 64
 
@@ -108,15 +115,15 @@ def test_decode_only_step_has_no_row_indices():
 
 
 @pytest.fixture(scope="module")
-def decode_kernel():
-    kernel = paged_decode_attention()
-    if kernel is None:
-        pytest.skip("the decode-attention kernel could not be built here (see its log)")
-    return kernel
+def kernels():
+    ops = cpu_kernels()
+    if ops is None:
+        pytest.skip("the CPU kernels could not be built here (see their log)")
+    return ops
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_kernel_matches_the_gathered_path(decode_kernel, window, monkeypatch):
+def test_decode_kernel_matches_the_gathered_path(kernels, window, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     num_layers, seq_lens = 3, [1, 4, 5, 17, 30, 9]
     kv_cache = torch.randn(
@@ -129,18 +136,42 @@ def test_decode_kernel_matches_the_gathered_path(decode_kernel, window, monkeypa
     q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=gen)
     opts = AttentionOptions(scale=0.3, sliding_window=window)
     got = attention.decode_attention(q, kv_cache, 1, decodes, opts)
-    monkeypatch.setattr(attention, "paged_decode_attention", lambda: None)
+    monkeypatch.setattr(attention, "cpu_kernels", lambda: None)
     want = attention.decode_attention(q, kv_cache, 1, decodes, opts)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_decode_kernel_rejects_what_it_cannot_read(decode_kernel):
+def test_decode_kernel_rejects_what_it_cannot_read(kernels):
     kv_cache = torch.zeros(4, 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     q = torch.zeros(1, NUM_HEADS, HEAD_DIM)
     table, lens = torch.tensor([[0, 1]]), torch.tensor([3])
     with pytest.raises(RuntimeError, match="float32"):
-        decode_kernel(q.double(), kv_cache, 0, table, lens, 1.0, 0)
+        kernels.paged_decode_attention(q.double(), kv_cache, 0, table, lens, 1.0, 0)
     with pytest.raises(RuntimeError, match="block id out of range"):
-        decode_kernel(q, kv_cache, 0, torch.tensor([[0, 9]]), lens, 1.0, 0)
+        kernels.paged_decode_attention(q, kv_cache, 0, torch.tensor([[0, 9]]), lens, 1.0, 0)
     with pytest.raises(RuntimeError, match="sequence length"):
-        decode_kernel(q, kv_cache, 0, table, torch.tensor([9]), 1.0, 0)
+        kernels.paged_decode_attention(q, kv_cache, 0, table, torch.tensor([9]), 1.0, 0)
+
+
+def test_rope_and_cache_kernel_is_bitwise_the_unfused_ops(kernels):
+    """q, k and v as views into one fused projection's output, as the fused modes hold them."""
+    gen = torch.Generator().manual_seed(2)
+    seqs = [(0, 5), (6, 1), (3, 4)]
+    meta = AttentionMetadata.build(
+        [c for c, _ in seqs], [n for _, n in seqs], make_tables(seqs, gen), BLOCK_SIZE, "cpu"
+    )
+    sizes = (NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM)
+    qkv = torch.randn(meta.num_tokens, sum(sizes), generator=gen) * 3
+    q, k, v = (
+        t.view(meta.num_tokens, -1, HEAD_DIM) for t in qkv.split(sizes, dim=-1)
+    )  # strided views
+    angles = torch.rand(meta.num_tokens, 1, HEAD_DIM, generator=gen) * 40
+    cos, sin = angles.cos(), angles.sin()
+    shape = (NUM_BLOCKS, 2, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    want_cache, got_cache = torch.zeros(shape), torch.zeros(shape)
+    write_kv(apply_rope(k, cos, sin), v, want_cache, 1, meta)
+    got_q = kernels.rope_and_cache_kv(
+        q, k, v, cos, sin, got_cache, 1, meta.slot_block_ids, meta.slot_offsets
+    )
+    assert torch.equal(got_q, apply_rope(q, cos, sin))
+    assert torch.equal(got_cache, want_cache)

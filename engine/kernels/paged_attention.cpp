@@ -129,13 +129,3 @@ torch::Tensor paged_decode_attention(
   });
   return out;
 }
-
-TORCH_LIBRARY(pdcluster, m) {
-  m.def(
-      "paged_decode_attention(Tensor q, Tensor kv_cache, int layer, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pdcluster, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
-}

@@ -169,12 +169,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, hd]; cos, sin [T, 1, hd]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class RMSNorm(nn.Module):
     """x / rms(x) scaled by `weight`, or by `1 + weight` with `unit_offset` (Gemma, which also
     scales in float32 before casting back)."""
@@ -238,10 +232,18 @@ class DecoderAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, hd]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_attention(
-            q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.sliding_window, self.softcap
-        )  # [T, H, hd]
+            q,
+            k,
+            v,
+            kv_cache,
+            self.layer_idx,
+            meta,
+            self.scale,
+            self.sliding_window,
+            self.softcap,
+            rope=(cos, sin),
+        )  # [T, H, hd]: q and k rotated by RoPE first
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, hidden]
 
 
