@@ -26,6 +26,14 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// Ask for the cache lines of `bytes` at `p` ahead of their use (the rows of a sequence's next
+// positions lie in other blocks, which the hardware prefetcher cannot guess).
+inline void prefetch(const float* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + i);
+}
+
+constexpr int64_t kPrefetchAhead = 4;  // positions
+
 inline void axpy(float w, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
@@ -79,6 +87,7 @@ torch::Tensor paged_decode_attention(
   const int64_t kv_stride = block_size * row_stride;       // K -> V of one layer
   const int64_t block_stride = num_layers * 2 * kv_stride;  // one block
   const int64_t layer_offset = layer * 2 * kv_stride;
+  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(float));
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
@@ -90,10 +99,14 @@ torch::Tensor paged_decode_attention(
       const float* queries = q_ptr + seq * num_heads * head_dim;  // [H, hd]
       const int64_t* table = table_ptr + seq * max_blocks;
       scores.resize(num_heads * n);  // [H, n]
+      // [kvh, hd]: position pos's keys (which = 0) or values (1), every KV head's side by side
+      auto row = [&](int64_t pos, int64_t which) {
+        return cache_ptr + table[pos / block_size] * block_stride + layer_offset +
+               which * kv_stride + (pos % block_size) * row_stride;
+      };
       for (int64_t pos = start; pos < len; ++pos) {
-        // [kvh, hd]: this position's keys, every KV head's side by side
-        const float* keys = cache_ptr + table[pos / block_size] * block_stride + layer_offset +
-                            (pos % block_size) * row_stride;
+        if (pos + kPrefetchAhead < len) prefetch(row(pos + kPrefetchAhead, 0), row_bytes);
+        const float* keys = row(pos, 0);
         for (int64_t h = 0; h < num_heads; ++h) {
           const float* key = keys + (h / group) * head_dim;
           scores[h * n + pos - start] = dot(queries + h * head_dim, key, head_dim) * fscale;
@@ -113,8 +126,8 @@ torch::Tensor paged_decode_attention(
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t pos = start; pos < len; ++pos) {
-        const float* values = cache_ptr + table[pos / block_size] * block_stride +
-                              layer_offset + kv_stride + (pos % block_size) * row_stride;
+        if (pos + kPrefetchAhead < len) prefetch(row(pos + kPrefetchAhead, 1), row_bytes);
+        const float* values = row(pos, 1);
         for (int64_t h = 0; h < num_heads; ++h) {
           axpy(scores[h * n + pos - start], values + (h / group) * head_dim,
                acc.data() + h * head_dim, head_dim);
