@@ -3,6 +3,11 @@ against the torch paths they replace (no Ray, no model)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,3 +180,33 @@ def test_rope_and_cache_kernel_is_bitwise_the_unfused_ops(kernels):
     )
     assert torch.equal(got_q, apply_rope(q, cos, sin))
     assert torch.equal(got_cache, want_cache)
+
+
+GENERATE = """
+import json, sys
+from engine import LLM, SamplingParams
+from engine.kernels import cpu_kernels
+llm = LLM(sys.argv[1], num_blocks=64)
+params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+outputs = llm.generate(["hello world", "one two three four five six"], params)
+print(json.dumps([cpu_kernels() is not None, [o.token_ids for o in outputs]]))
+"""
+
+
+def _generate(model: str, **env: str) -> tuple[bool, list[list[int]]]:
+    done = subprocess.run(
+        [sys.executable, "-c", GENERATE, model], capture_output=True, text=True, timeout=600,
+        env={**os.environ, **env},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    built, tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    return built, tokens
+
+
+def test_without_a_compiler_torch_paths_give_the_same_tokens(kernels, preset_dir, tmp_path):
+    model = preset_dir("tiny-llama")
+    built, want = _generate(model)
+    assert built
+    unbuilt = {"CXX": str(tmp_path / "no-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    built, got = _generate(model, **unbuilt)
+    assert not built and got == want

@@ -1,8 +1,9 @@
 """CPU kernels the engine builds for itself at first use, each with a torch fallback.
 
 The C++ next to this file is compiled by torch's extension JIT (a C++ compiler and ninja,
-`torch.utils.cpp_extension.load`) once per machine kind and cached under
-~/.cache/torch_extensions, so later processes load the built library in well under a second.
+`torch.utils.cpp_extension.load`; ~1 minute on 2 cores) once per machine kind and cached under
+~/.cache/torch_extensions ($TORCH_EXTENSIONS_DIR), so later processes load the built library
+in well under a second.
 Where it cannot be built (no compiler, a torch without its headers), callers run their torch
 path instead; that is logged once. Nothing here is needed for correctness. The operators:
 
@@ -16,8 +17,12 @@ path instead; that is logged once. Nothing here is needed for correctness. The o
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
+import os
+import re
+import sys
 from pathlib import Path
 
 import torch
@@ -32,17 +37,37 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]  # built where it r
 def cpu_kernels() -> torch._ops._OpNamespace | None:
     """`torch.ops.pdcluster` with the kernels above, or None where they cannot be built."""
     try:
-        from torch.utils.cpp_extension import load
-
-        capability = torch.backends.cpu.get_cpu_capability().lower()
-        load(
-            name=f"pdcluster_kernels_{capability}",
-            sources=[str(Path(__file__).parent / name) for name in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,  # registers torch.ops.pdcluster.*
-        )
+        _build_and_load()
     except Exception as e:  # a missing compiler or ninja, a failed build: the torch paths
         logger.warning("the engine's CPU kernels are unavailable, torch's paths run: %s", e)
         return None
     return torch.ops.pdcluster
+
+
+def _build_and_load() -> None:
+    """Build (where not built yet) and load the kernels, one process at a time per machine.
+
+    torch's own build lock is a file that a builder killed mid-build leaves behind, after which
+    every later load waits forever; an OS lock (flock) dies with its holder, so under it any
+    torch lock file found is such a leftover and is removed."""
+    from torch.utils.cpp_extension import load
+
+    name = f"pdcluster_kernels_{torch.backends.cpu.get_cpu_capability().lower()}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache/torch_extensions"))
+    variant = re.sub(
+        r"\W", "_", f"py{sys.version_info[0]}{sys.version_info[1]}_{torch.__version__}"
+    )
+    root = root / variant  # one build per Python and torch
+    build_dir = root / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when this process exits, however
+        (build_dir / "lock").unlink(missing_ok=True)
+        load(
+            name=name,
+            sources=[str(Path(__file__).parent / source) for source in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,  # registers torch.ops.pdcluster.*
+        )

@@ -42,7 +42,9 @@ from engine.models.quantized_linear import format_of
 logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # input rows the formats are timed at; more: as 64
-NUM_TIMINGS = 3  # the best of these counts; each calls every copy once
+NUM_TIMINGS = 5  # the best of these counts; each calls every copy once
+# The previous bucket's format keeps a bucket unless another is this much faster there.
+SWITCH_MARGIN = 0.05
 COLD_BYTES = 96 * 1024**2  # float32 bytes of the copies: beyond a server CPU's last-level cache
 MAX_COPIES = 32  # a small model's layers stay as cache-hot as its whole step keeps them
 # Up to this many rows a call is bound by reading its weight, so the race reads cold copies;
@@ -94,16 +96,12 @@ def float_format(dtype: torch.dtype, keep_dense: bool = False) -> Format:
     return make
 
 
-def _best_time_s(layers: list[nn.Module], x: torch.Tensor) -> float:
-    """The best of NUM_TIMINGS timings of one call on each of `layers`."""
-    layers[0](x)  # warm-up: first-call allocations
-    best = float("inf")
-    for _ in range(NUM_TIMINGS):
-        start = time.perf_counter()
-        for layer in layers:
-            layer(x)
-        best = min(best, time.perf_counter() - start)
-    return best
+def _time_s(layers: list[nn.Module], x: torch.Tensor) -> float:
+    """Seconds for one call on each of `layers`."""
+    start = time.perf_counter()
+    for layer in layers:
+        layer(x)
+    return time.perf_counter() - start
 
 
 def _dense_copies(layer: nn.Module) -> list[nn.Module]:
@@ -126,15 +124,23 @@ def _dense_copies(layer: nn.Module) -> list[nn.Module]:
 def race(formats: Sequence[Format], layer: nn.Module) -> list[int]:
     """For each of ROW_BUCKETS, the index in `formats` of the one timed fastest on `layer`'s
     shape (timings interleaved, each the best of several; weights read from memory up to
-    CACHE_BOUND_ROWS rows). Every format must hold `layer`."""
+    CACHE_BOUND_ROWS rows; the previous bucket's format kept within SWITCH_MARGIN). Every
+    format must hold `layer`."""
     dense = _dense_copies(layer)
     copies = [[make(d) for d in dense] for make in formats]
-    winners = []
+    winners: list[int] = []
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, layer.in_features)
         num_copies = len(dense) if rows <= CACHE_BOUND_ROWS else 2
-        times = [_best_time_s(layers[:num_copies], x) for layers in copies]
-        winners.append(times.index(min(times)))
+        for layers in copies:
+            layers[0](x)  # warm-up: first-call allocations
+        times = [float("inf")] * len(formats)
+        for _ in range(NUM_TIMINGS):  # interleaved: a noisy moment hurts every format alike
+            for i, layers in enumerate(copies):
+                times[i] = min(times[i], _time_s(layers[:num_copies], x))
+        fastest = times.index(min(times))
+        kept = winners[-1] if winners else fastest  # fewer switches between close formats
+        winners.append(kept if times[kept] <= (1 + SWITCH_MARGIN) * times[fastest] else fastest)
     return winners
 
 
