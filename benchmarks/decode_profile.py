@@ -7,8 +7,9 @@ wall ms and CPU ms (this thread's, torch runs on --threads 1) per step, and each
 speed-up over the first mode, measured in this run. CPU time is what to read on a shared
 machine: other processes stretch the wall time, not the CPU time. Then
 torch's profiler over one such call per mode: self CPU time per op grouped into matmuls,
-attention (KV write, gather, SDPA) and the small ops (norms, RoPE, activations, residual
-adds, sampling), in ms per generated token (the short prompt's prefill included).
+attention (KV write, gather, SDPA), whole layers run as one kernel call (4-bit decode steps
+of a few rows: engine/models/decode_kernel.py) and the small ops (norms, RoPE, activations,
+residual adds, sampling), in ms per generated token (the short prompt's prefill included).
 
     python -m benchmarks.decode_profile [--model smollm2-135m] [--dtypes float32,bfloat16]
         [--quantizations none,int8,int4] [--batch 1] [--steps 32] [--rounds 3] [--threads 1]
@@ -38,6 +39,8 @@ MATMUL_OPS = (
     "aten::_weight_int4pack_mm_for_cpu",
     "aten::addmm",
     "aten::mm",
+    "pdcluster::int4_linear",
+    "pdcluster::int8_linear",
 )
 ATTENTION_OPS = (
     "pdcluster::paged_decode_attention",
@@ -45,12 +48,15 @@ ATTENTION_OPS = (
     "aten::index_select",
     "aten::_index_put_impl_",
 )
+LAYER_OPS = ("pdcluster::decode_layer",)  # a whole decoder layer in one call (its matmuls too)
 TOP_OPS = 12  # small ops listed by name
 
 
 def group_of(op: str) -> str:
     if op in MATMUL_OPS:
         return "matmul"
+    if op in LAYER_OPS:
+        return "whole layers"
     return "attention" if op in ATTENTION_OPS else "small ops"
 
 
@@ -78,6 +84,12 @@ def formats_by_shape(llm: LLM) -> dict[str, str]:
         if isinstance(module, (TieredLinear, WeightOnlyLinear, PackedLinear)):
             shape = f"[{module.in_features} -> {module.out_features}]"
             found.setdefault(shape, f"{type(module).__name__}({module.extra_repr()})")
+    kernels = [
+        k for m in llm.engine.runner.model.modules() if (k := getattr(m, "decode_kernel", None))
+    ]
+    if kernels:
+        rows = min(k.max_rows for k in kernels)
+        found["decoder layers"] = f"{len(kernels)} in one call each, up to {rows} rows"
     return found
 
 

@@ -14,6 +14,7 @@ import torch
 from engine.attention import AttentionMetadata, allocate_kv_cache
 from engine.config import CacheConfig
 from engine.kernels import cpu_kernels
+from engine.models.decode_kernel import attach_decode_kernels
 from engine.models.loader import ModelInfo
 from engine.models.tiered_linear import prepare_linears
 from engine.outputs import (
@@ -73,6 +74,7 @@ class ModelRunner:
         if device.type == "cpu":  # packed once; each format where it measured fastest
             prepare_linears(model, quantization, precision.linear_dtypes)
             cpu_kernels()  # built now (once per machine), not in a step
+            attach_decode_kernels(model)  # whole layers in one call where they can run
         self.model = model
         self.tp = tp
         self.grammars = grammars

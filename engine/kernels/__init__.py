@@ -13,6 +13,12 @@ path instead; that is logged once. Nothing here is needed for correctness. The o
 - `rope_and_cache_kv(q, k, v, cos, sin, kv_cache, layer, slot_block_ids, slot_offsets)`:
   rotate-half RoPE on q and k and the cache write of k and v in one pass (bitwise the
   unfused float32 ops); returns the rotated q.
+- `int4_linear(x, packed, scales, bias)`, `int8_linear(x, q, w_scale, bias)`: x times 4-bit
+  weights on GGUF Q4_1's grid, or int8 weights with a scale per output, the activations
+  quantized to int8 per group of 32, in integer dot products (AVX512-VNNI;
+  `dot_linear_supported()` says whether this CPU's build has them).
+- `decode_layer(...)`: a whole Llama-family decoder layer on 4-bit weights for a decode step
+  of a few sequences (engine/models/decode_kernel.py).
 """
 
 from __future__ import annotations
@@ -29,7 +35,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("ops.cpp", "paged_attention.cpp", "rope_cache.cpp")
+SOURCES = (
+    "ops.cpp",
+    "paged_attention.cpp",
+    "rope_cache.cpp",
+    "dot_linear.cpp",
+    "decode_layer.cpp",
+)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]  # built where it runs
 
 

@@ -12,6 +12,28 @@ torch::Tensor rope_and_cache_kv(const torch::Tensor& q, const torch::Tensor& k,
                                 int64_t layer, const torch::Tensor& slot_block_ids,
                                 const torch::Tensor& slot_offsets);
 
+bool dot_linear_supported();
+
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias);
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
+                          const torch::Tensor& w_scale, const c10::optional<torch::Tensor>& bias);
+
+torch::Tensor decode_layer(
+    const torch::Tensor& x, const torch::Tensor& input_norm, const torch::Tensor& post_norm,
+    const torch::Tensor& qkv_packed, const torch::Tensor& qkv_scales,
+    const c10::optional<torch::Tensor>& qkv_bias, const c10::optional<torch::Tensor>& q_norm,
+    const c10::optional<torch::Tensor>& k_norm, const torch::Tensor& o_packed,
+    const torch::Tensor& o_scales, const c10::optional<torch::Tensor>& o_bias,
+    const torch::Tensor& gate_up_packed, const torch::Tensor& gate_up_scales,
+    const c10::optional<torch::Tensor>& gate_up_bias, const torch::Tensor& down_packed,
+    const torch::Tensor& down_scales, const c10::optional<torch::Tensor>& down_bias,
+    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& kv_cache,
+    int64_t layer, const torch::Tensor& slot_block_ids, const torch::Tensor& slot_offsets,
+    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t num_heads,
+    int64_t num_kv_heads, double scale, int64_t window, double eps);
+
 TORCH_LIBRARY(pdcluster, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv_cache, int layer, Tensor block_tables, "
@@ -19,9 +41,23 @@ TORCH_LIBRARY(pdcluster, m) {
   m.def(
       "rope_and_cache_kv(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
       "Tensor(a!) kv_cache, int layer, Tensor slot_block_ids, Tensor slot_offsets) -> Tensor");
+  m.def("dot_linear_supported() -> bool", &dot_linear_supported);
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor w_scale, Tensor? bias) -> Tensor");
+  m.def(
+      "decode_layer(Tensor x, Tensor input_norm, Tensor post_norm, Tensor qkv_packed, "
+      "Tensor qkv_scales, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, Tensor o_packed, "
+      "Tensor o_scales, Tensor? o_bias, Tensor gate_up_packed, Tensor gate_up_scales, "
+      "Tensor? gate_up_bias, Tensor down_packed, Tensor down_scales, Tensor? down_bias, "
+      "Tensor cos, Tensor sin, Tensor(a!) kv_cache, int layer, Tensor slot_block_ids, "
+      "Tensor slot_offsets, Tensor block_tables, Tensor seq_lens, int num_heads, "
+      "int num_kv_heads, float scale, int window, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdcluster, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("rope_and_cache_kv", &rope_and_cache_kv);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
+  m.impl("decode_layer", &decode_layer);
 }

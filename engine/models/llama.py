@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.mlp import GatedMLP
 from engine.models.moe import MoeConfig, SparseMoeBlock
+
+if TYPE_CHECKING:
+    from engine.models.decode_kernel import DecodeKernel
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 # Model types whose `sliding_window` applies only with `use_sliding_window`.
@@ -263,8 +266,13 @@ class DecoderLayer(nn.Module):
             cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset
         )
         self.mlp = make_mlp(cfg, layer_idx)
+        # The whole layer as one kernel call on the decode steps it serves, where
+        # `decode_kernel.attach_decode_kernels` gave it one (4-bit weights on CPU).
+        self.decode_kernel: DecodeKernel | None = None
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if self.decode_kernel is not None and self.decode_kernel.takes(x, kv_cache, meta):
+            return self.decode_kernel(x, cos, sin, kv_cache, meta)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

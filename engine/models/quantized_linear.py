@@ -1,9 +1,9 @@
 """Weight-only int8 and int4 linear layers for CPU decoding (`quantization="int8"|"int4"`).
 
 A decode step at a few rows reads every weight once, so its matmuls cost what their weights
-weigh. Both formats multiply bfloat16 activations by quantized weights with torch's weight-only
-kernels, and keep activations at bf16's relative precision (quantizing them to 8 bits too, as
-fbgemm's dynamic linear does, measured +13% perplexity on SmolLM2; int8 weights, -0.1%):
+weigh. torch's weight-only kernels multiply bfloat16 activations by the quantized weights and
+keep activations at bf16's relative precision (quantizing them to 8 bits per row, as fbgemm's
+dynamic linear does, measured +13% perplexity on SmolLM2; int8 weights, -0.1%):
 - `Int8Linear`: int8 with one scale per output row (symmetric, per channel;
   `torch._weight_int8pack_mm`): a quarter of float32's bytes.
 - `Int4Linear`: 4 bits with a scale and an offset per GROUP_SIZE inputs of each row
@@ -11,6 +11,12 @@ fbgemm's dynamic linear does, measured +13% perplexity on SmolLM2; int8 weights,
   of float32's bytes, plus the groups' scales. A GGUF's Q4_1 blocks are this very grid (32
   weights, `d * q + m`), so a Q4_1 checkpoint's weights come back as the file holds them, bar
   bf16's rounding of each group's scale and offset.
+- `Int8DotLinear` and `Int4DotLinear`, preferred where the engine's kernels run
+  (AVX512-VNNI): the same grids (int4's with float16 scales and offsets, a Q4_1 block's own),
+  times activations quantized per group of 32 rather than per row, as llama.cpp does, by
+  integer dot products, in one call with float32 in and out (RESULTS §18e: faster than
+  torch's kernels at one to eight rows, quality as theirs). Whole decoder layers run on
+  `Int4DotLinear` in one call (engine/models/decode_kernel.py).
 
 Those kernels are fast at one to a few rows and slow on many (they dequantize per row block),
 so a quantized layer serves only the row counts it was measured fastest at, beside a float
@@ -24,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.kernels import cpu_kernels
 
 GROUP_SIZE = 32  # int4: inputs sharing one scale and offset (GGUF's Q4_0/Q4_1 block)
 
@@ -141,14 +149,91 @@ class Int4Linear(WeightOnlyLinear):
         return torch._weight_int4pack_mm_for_cpu(rows, self.qweight, GROUP_SIZE, self.scales)
 
 
-# quantization name -> its layer
-FORMATS: dict[str, type[WeightOnlyLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
+class DotLinear(WeightOnlyLinear):
+    """A format multiplied by the engine's kernels (engine/kernels/dot_linear.cpp): the
+    activations quantized to int8 per group of 32 as llama.cpp's are, integer dot products by
+    AVX512-VNNI, float32 in and out in one call. Inputs must come in multiples of 64."""
+
+    @staticmethod
+    def available() -> bool:
+        kernels = cpu_kernels()
+        return kernels is not None and kernels.dot_linear_supported()
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` [N, in] float32 times the weight, plus the bias: [N, out] float32."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.kernel(x.reshape(-1, self.in_features))  # [N, out]
+        return out.view(*x.shape[:-1], self.out_features)  # [..., out]
+
+
+class Int8DotLinear(DotLinear):
+    """`Int8Linear`'s grid (int8, a scale per output row), stored as q + 128 with a float32
+    scale, multiplied by int8 activations."""
+
+    check_tol = 0.03  # as Int8Linear
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if weight.shape[1] % (2 * GROUP_SIZE):
+            return None
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
+        q = torch.round(weight / scales[:, None]).clamp(-127, 127)  # [out, in]
+        return (q + 128).to(torch.uint8), scales
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pdcluster.int8_linear(rows, self.qweight, self.scales, self.bias)
+
+
+class Int4DotLinear(DotLinear):
+    """`Int4Linear`'s grid with float16 scales and minimums (a GGUF Q4_1 block's own: its
+    weights come back exactly), multiplied by int8 activations; whole decoder layers run on
+    it in one call (engine/models/decode_kernel.py)."""
+
+    check_tol = 0.15  # as Int4Linear
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        out_features, in_features = weight.shape
+        if in_features % (2 * GROUP_SIZE):  # two groups share a packed unit
+            return None
+        groups = weight.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, groups]
+        scale, low = ((high - low) / 15).half(), low.half()  # as stored
+        step = scale.float().clamp(min=1e-12)[..., None]
+        q = torch.round((groups - low.float()[..., None]) / step).clamp(0, 15).to(torch.uint8)
+        pairs = q.view(out_features, -1, 2, GROUP_SIZE)  # [out, pairs, 2, 32]
+        packed = pairs[:, :, 0] | (pairs[:, :, 1] << 4)  # first group low, second high
+        scales = torch.stack([scale, low], dim=1)  # [out, 2, groups]: d, then m
+        return packed.reshape(out_features, in_features // 2).contiguous(), scales.contiguous()
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pdcluster.int4_linear(rows, self.qweight, self.scales, self.bias)
+
+
+# quantization name -> its layers, the preferred first: a layer takes the first that holds it
+FORMATS: dict[str, tuple[type[WeightOnlyLinear], ...]] = {
+    "int8": (Int8DotLinear, Int8Linear),
+    "int4": (Int4DotLinear, Int4Linear),
+}
 # The output head (`...lm_head`) keeps 8 bits in every mode, as GPTQ and AWQ leave it unquantized
 # and llama.cpp's Q4 files store it at 6-8 bits: its errors land on the logits directly (int4
 # there took SmolLM2's greedy agreement with float32 from ~60 to ~40 of 64 tokens).
-HEAD, HEAD_FORMAT = "lm_head", Int8Linear
+HEAD, HEAD_FORMATS = "lm_head", FORMATS["int8"]
 
 
-def format_of(name: str, quantization: str) -> type[WeightOnlyLinear]:
-    """The layer that quantizes the linear named `name` in mode `quantization`."""
-    return HEAD_FORMAT if name.rsplit(".", 1)[-1] == HEAD else FORMATS[quantization]
+def formats_of(name: str, quantization: str) -> tuple[type[WeightOnlyLinear], ...]:
+    """The layers that may quantize the linear named `name` in mode `quantization`, the
+    preferred first."""
+    return HEAD_FORMATS if name.rsplit(".", 1)[-1] == HEAD else FORMATS[quantization]
+
+
+def quantized(name: str, quantization: str, layer: nn.Module) -> WeightOnlyLinear | None:
+    """`layer` (named `name`) quantized by the first of its mode's formats that can hold it
+    on this machine, or None where none can."""
+    for kind in formats_of(name, quantization):
+        twin = kind.from_layer(layer)
+        if twin is not None:
+            return twin
+    return None

@@ -27,6 +27,7 @@ layers are the checkpoint's (no fusion), each packed for oneDNN and checked agai
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -37,7 +38,7 @@ from torch import nn
 
 from engine.models.fusion import fuse_projections
 from engine.models.packed_linear import PackedLinear, pack_linears, shared_weight_ids
-from engine.models.quantized_linear import format_of
+from engine.models.quantized_linear import formats_of, quantized
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ def formats_for(
     packed one per weight dtype."""
     formats: list[Format] = []
     if quantization != "none":
-        formats.append(format_of(name, quantization).from_layer)
+        formats.append(functools.partial(quantized, name, quantization))
     return formats + [float_format(dtype, keep_dense) for dtype in weight_dtypes]
 
 
@@ -187,7 +188,7 @@ def tier_linears(model: nn.Module, quantization: str, weight_dtypes: Sequence[to
         if not usable:
             continue
         key = (
-            format_of(name, quantization) if quantization != "none" else None,
+            formats_of(name, quantization) if quantization != "none" else None,
             tuple(usable), layer.in_features, layer.out_features, layer.bias is not None,
         )  # fmt: skip
         if key not in chosen_for:

@@ -1,0 +1,289 @@
+// Linear layers with 4-bit or 8-bit weights for the few rows of a decode step, multiplied in
+// integers: y = x @ W.T + b, float32 in and out.
+//
+// Each row of x is quantized per group of 32 inputs to int8 with its own scale
+// (s = max|x| / 127), as llama.cpp's Q8 activations are, so that one AVX512-VNNI instruction
+// (vpdpbusd: unsigned bytes times signed bytes, summed in fours into int32) multiplies 64
+// weights by 64 activations. A few rows of x share each load of the weights; the output rows
+// are split across torch's threads.
+//
+// int4_linear: W [out, in] on GGUF's Q4_1 grid: each group of 32 inputs of a row has a scale d
+// and a minimum m (float16), weight = d * q + m with q in 0..15. Two groups (64 weights) share
+// 32 bytes: byte j holds q[j] of the first group in its low nibble and q[j] of the second in
+// its high one (Int4DotLinear.quantize in engine/models/quantized_linear.py). Per output and
+// group:  sum_i (d q_i + m) x_i  ~=  d s sum_i q_i xq_i  +  m sum_i x_i,
+// with sum_i x_i from the float32 activations. The rounding errors of xq would meet q's mean
+// (~7.5) there, so the kernel adds back d * 8 * sum_i (x_i - s xq_i): as if the products were
+// of q - 8, centred as the weights are.
+//
+// int8_linear: W = w_scale[o] * q with q in -127..127 per output row (symmetric), stored as
+// q + 128 (unsigned). Per output:  w_scale * (sum_g s_g sum_i (q_i + 128) xq_i  -  C),
+// C = 128 sum_g s_g sum_i xq_i, which depends on x alone.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define PDCLUSTER_DOT_LINEAR 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;           // inputs sharing one activation scale (and weight scale)
+constexpr int64_t kGroupsPerBlock = 16;  // groups whose scales one vector holds
+constexpr int64_t kRowsPerPass = 4;      // rows of x sharing each load of the weights
+constexpr float kMidpoint = 8.f;         // the middle of a 4-bit q's range 0..15
+constexpr float kInt8Offset = 128.f;     // int8 weights are stored as q + this
+
+// The rows of x quantized per group: q [n, in]; per group [n, in / kGroup] its scale, its
+// float32 sum, kMidpoint * the sum of its rounding errors, and the sum of its q.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum, correction, q_sum;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t n, int64_t in) {
+  const int64_t groups = n * (in / kGroup);
+  QuantizedRows rows{std::vector<int8_t>(n * in), std::vector<float>(groups),
+                     std::vector<float>(groups), std::vector<float>(groups),
+                     std::vector<float>(groups)};
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* src = x + g * kGroup;
+    float amax = 0.f, sum = 0.f;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      amax = std::max(amax, std::abs(src[i]));
+      sum += src[i];
+    }
+    const float scale = amax / 127.f;
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    float error = 0.f, q_sum = 0.f;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      const float q = std::nearbyint(src[i] * inverse);
+      rows.q[g * kGroup + i] = static_cast<int8_t>(q);
+      error += src[i] - scale * q;
+      q_sum += q;
+    }
+    rows.scale[g] = scale;
+    rows.sum[g] = sum;
+    rows.correction[g] = kMidpoint * error;
+    rows.q_sum[g] = q_sum;
+  }
+  return rows;
+}
+
+#ifdef PDCLUSTER_DOT_LINEAR
+
+// The weights of one format; `Rows` computes outputs [begin, end) for x rows r0 .. r0 + NR.
+struct Int4Weights {
+  const uint8_t* packed;  // [out, in / 2]
+  const uint16_t* scales;  // [out, 2, groups] float16: d, then m
+};
+
+struct Int8Weights {
+  const uint8_t* q;       // [out, in]: q + 128
+  const float* w_scale;   // [out]
+};
+
+// Lanes 0-7 of a vpdpbusd over two groups belong to the first group, lanes 8-15 to the second:
+// pair_lanes[p] picks scale 2p, then 2p + 1, out of a vector of kGroupsPerBlock scales.
+struct PairLanes {
+  __m512i lanes[kGroupsPerBlock / 2];
+  PairLanes() {
+    for (int p = 0; p < kGroupsPerBlock / 2; ++p) {
+      lanes[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+    }
+  }
+};
+
+inline __mmask16 block_mask(int64_t num) { return static_cast<__mmask16>((1u << num) - 1); }
+
+template <int NR>
+void rows_of(const Int4Weights& w, const QuantizedRows& x, int64_t r0, int64_t in,
+             int64_t begin, int64_t end, float* acc_out) {
+  const int64_t groups = in / kGroup;
+  const PairLanes pairs;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  // The upper 32 bytes of a broadcast pair shift right by 4: their high nibbles.
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* packed = w.packed + o * (in / 2);
+    const uint16_t* d = w.scales + o * 2 * groups;
+    const uint16_t* m = d + groups;
+    __m512 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < groups; g0 += kGroupsPerBlock) {
+      const int64_t num = std::min(kGroupsPerBlock, groups - g0);
+      const __mmask16 mask = block_mask(num);
+      const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + g0));
+      const __m512 mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m + g0));
+      __m512 ds[NR];
+      for (int r = 0; r < NR; ++r) {
+        const int64_t at = (r0 + r) * groups + g0;
+        ds[r] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(mask, x.scale.data() + at));
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(mask, x.sum.data() + at), acc[r]);
+        acc[r] = _mm512_fmadd_ps(dw, _mm512_maskz_loadu_ps(mask, x.correction.data() + at),
+                                 acc[r]);
+      }
+      for (int64_t p = 0; p < num / 2; ++p) {
+        const int64_t first = g0 + 2 * p;  // the pair's first group
+        const __m256i bytes =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + first * kGroup / 2));
+        const __m512i q = _mm512_and_si512(
+            _mm512_srlv_epi16(_mm512_broadcast_i64x4(bytes), shift), low_nibbles);
+        for (int r = 0; r < NR; ++r) {
+          const __m512i xq = _mm512_loadu_si512(x.q.data() + (r0 + r) * in + first * kGroup);
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xq);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                   _mm512_permutexvar_ps(pairs.lanes[p], ds[r]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) acc_out[r * (end - begin) + (o - begin)] =
+        _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+template <int NR>
+void rows_of(const Int8Weights& w, const QuantizedRows& x, int64_t r0, int64_t in,
+             int64_t begin, int64_t end, float* acc_out) {
+  const int64_t groups = in / kGroup;
+  const PairLanes pairs;
+  float offset[NR];  // C / w_scale: the stored + 128's share, x's alone
+  for (int r = 0; r < NR; ++r) {
+    float c = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      c += x.scale[(r0 + r) * groups + g] * x.q_sum[(r0 + r) * groups + g];
+    }
+    offset[r] = kInt8Offset * c;
+  }
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* q = w.q + o * in;
+    __m512 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < groups; g0 += kGroupsPerBlock) {
+      const int64_t num = std::min(kGroupsPerBlock, groups - g0);
+      const __mmask16 mask = block_mask(num);
+      __m512 s[NR];
+      for (int r = 0; r < NR; ++r) {
+        s[r] = _mm512_maskz_loadu_ps(mask, x.scale.data() + (r0 + r) * groups + g0);
+      }
+      for (int64_t p = 0; p < num / 2; ++p) {
+        const int64_t first = g0 + 2 * p;
+        const __m512i wq = _mm512_loadu_si512(q + first * kGroup);
+        for (int r = 0; r < NR; ++r) {
+          const __m512i xq = _mm512_loadu_si512(x.q.data() + (r0 + r) * in + first * kGroup);
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xq);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                   _mm512_permutexvar_ps(pairs.lanes[p], s[r]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) acc_out[r * (end - begin) + (o - begin)] =
+        w.w_scale[o] * (_mm512_reduce_add_ps(acc[r]) - offset[r]);
+  }
+}
+
+// y[r, o] for every row of x: passes of kRowsPerPass rows (then the rest), output rows split
+// across threads.
+template <typename Weights>
+void dot_linear(const Weights& w, const QuantizedRows& x, int64_t n, int64_t in,
+                int64_t out_features, const float* bias, float* y) {
+  at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> part(kRowsPerPass * (end - begin));
+    for (int64_t r0 = 0; r0 < n; r0 += kRowsPerPass) {
+      const int64_t rows = std::min(kRowsPerPass, n - r0);
+      switch (rows) {
+        case 4: rows_of<4>(w, x, r0, in, begin, end, part.data()); break;
+        case 3: rows_of<3>(w, x, r0, in, begin, end, part.data()); break;
+        case 2: rows_of<2>(w, x, r0, in, begin, end, part.data()); break;
+        default: rows_of<1>(w, x, r0, in, begin, end, part.data()); break;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t o = begin; o < end; ++o) {
+          y[(r0 + r) * out_features + o] =
+              part[r * (end - begin) + (o - begin)] + (bias ? bias[o] : 0.f);
+        }
+      }
+    }
+  });
+}
+
+#endif
+
+// Checks x [N, in] and the bias, and returns y [N, out] computed by `run(x rows, bias, y)`.
+template <typename Run>
+torch::Tensor checked(const torch::Tensor& x, int64_t out_features,
+                      const c10::optional<torch::Tensor>& bias, Run run) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [N, in]");
+  TORCH_CHECK(x.size(1) % (2 * kGroup) == 0, "in_features must be a multiple of ", 2 * kGroup);
+  const float* bias_ptr = nullptr;
+  torch::Tensor bias_contiguous;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == out_features,
+                "bias must be float32 [out]");
+    bias_contiguous = bias->contiguous();
+    bias_ptr = bias_contiguous.data_ptr<float>();
+  }
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  const auto xc = x.contiguous();
+  run(quantize_rows(xc.data_ptr<float>(), x.size(0), x.size(1)), bias_ptr,
+      y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
+bool dot_linear_supported() {
+#ifdef PDCLUSTER_DOT_LINEAR
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [N, in] float32, packed [out, in / 2] uint8, scales [out, 2, in / 32] float16 (d then m),
+// bias [out] float32 or None -> y [N, out] float32
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(dot_linear_supported(), "int4_linear needs a CPU with AVX512-VNNI");
+  const int64_t in = x.size(-1), out_features = packed.size(0);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 &&
+                  packed.is_contiguous() && packed.size(1) == in / 2,
+              "packed must be contiguous uint8 [out, in / 2]");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() &&
+                  scales.numel() == out_features * 2 * (in / kGroup),
+              "scales must be contiguous float16 [out, 2, in / 32]");
+  return checked(x, out_features, bias, [&](const QuantizedRows& rows, const float* b, float* y) {
+#ifdef PDCLUSTER_DOT_LINEAR
+    const Int4Weights w{packed.data_ptr<uint8_t>(),
+                        reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>())};
+    dot_linear(w, rows, x.size(0), in, out_features, b, y);
+#endif
+  });
+}
+
+// x [N, in] float32, q [out, in] uint8 (int8 weight + 128), w_scale [out] float32,
+// bias [out] float32 or None -> y [N, out] float32
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
+                          const torch::Tensor& w_scale, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(dot_linear_supported(), "int8_linear needs a CPU with AVX512-VNNI");
+  const int64_t in = x.size(-1), out_features = q.size(0);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kUInt8 && q.is_contiguous() &&
+                  q.size(1) == in,
+              "q must be contiguous uint8 [out, in]");
+  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.is_contiguous() &&
+                  w_scale.numel() == out_features,
+              "w_scale must be contiguous float32 [out]");
+  return checked(x, out_features, bias, [&](const QuantizedRows& rows, const float* b, float* y) {
+#ifdef PDCLUSTER_DOT_LINEAR
+    const Int8Weights w{q.data_ptr<uint8_t>(), w_scale.data_ptr<float>()};
+    dot_linear(w, rows, x.size(0), in, out_features, b, y);
+#endif
+  });
+}
