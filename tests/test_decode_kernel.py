@@ -34,19 +34,33 @@ def _dequantized(layer: DotLinear) -> torch.Tensor:
     """The float32 weight [out, in] that `layer`'s integers and scales hold."""
     if isinstance(layer, Int8DotLinear):
         return (layer.qweight.float() - 128) * layer.scales[:, None]
-    packed = layer.qweight.view(layer.out_features, -1, GROUP_SIZE)  # [out, pairs, 32]
-    q = torch.stack([packed & 0x0F, packed >> 4], dim=2).float()  # [out, pairs, 2, 32]
-    q = q.view(layer.out_features, -1, GROUP_SIZE)  # [out, groups, 32]
+    out_features, num_groups = layer.out_features, layer.in_features // GROUP_SIZE
+    q = torch.empty(out_features, num_groups, GROUP_SIZE)
+    at = 0  # byte offset in a row: blocks of up to 8 groups, 4 chunks of 4 bytes per group
+    for first in range(0, num_groups, 8):
+        lanes = min(8, num_groups - first)
+        block = layer.qweight[:, at : at + 16 * lanes].view(out_features, 4, lanes, 4)
+        nibbles = torch.stack([block & 0x0F, block >> 4], dim=3)  # [out, j, lane, 2, 4]
+        q[:, first : first + lanes] = nibbles.permute(0, 2, 1, 3, 4).reshape(
+            out_features, lanes, GROUP_SIZE
+        )  # position 8j + 4 * nibble + byte
+        at += 16 * lanes
     scale, low = layer.scales.float().unbind(dim=1)  # [out, groups] each
-    return (q * scale[..., None] + low[..., None]).view(layer.out_features, -1)
+    return (q * scale[..., None] + low[..., None]).view(out_features, -1)
 
 
-@pytest.mark.parametrize("shape", [(96, 64), (960, 576), (40, 1536)])  # [out, in]
+# [out, in]: groups in blocks of 8, some rows ending in a shorter block (in 96, 576, 320)
+@pytest.mark.parametrize("shape", [(96, 64), (960, 576), (40, 1536), (24, 320)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
+# (ours, torch's on the same grid, how much farther from float32 ours may be: int8 weights
+# err little, so there int8 activations against bf16 ones show)
 @pytest.mark.parametrize(
-    ("kind", "torch_kind"), [(Int4DotLinear, Int4Linear), (Int8DotLinear, Int8Linear)]
+    ("kind", "torch_kind", "factor"),
+    [(Int4DotLinear, Int4Linear, 1.2), (Int8DotLinear, Int8Linear, 2.0)],
 )
-def test_dot_layer_is_its_weights_product_bar_int8_activations(shape, rows, kind, torch_kind):
+def test_dot_layer_is_its_weights_product_bar_int8_activations(
+    shape, rows, kind, torch_kind, factor
+):
     torch.manual_seed(0)
     layer = nn.Linear(shape[1], shape[0])
     quantized = kind.from_layer(layer)
@@ -54,13 +68,13 @@ def test_dot_layer_is_its_weights_product_bar_int8_activations(shape, rows, kind
     want = F.linear(x, _dequantized(quantized), layer.bias)
     error = (quantized(x) - want).norm(dim=1) / want.norm(dim=1)  # per row
     assert error.max() < 0.01, error  # int8 activations per 32 values: ~0.3% here
-    # and about as close to float32 as torch's own layer on the same grid (where it has one:
-    # its int4 tiles take out % 16 == 0)
+    # and near float32 as torch's own layer on the same grid is (where it has one: its int4
+    # tiles take out % 16 == 0)
     exact = F.linear(x, layer.weight, layer.bias)
     theirs = torch_kind.from_layer(layer)
     if theirs is not None:
         ours_error = (quantized(x) - exact).norm() / exact.norm()
-        assert ours_error < 1.5 * (theirs(x) - exact).norm() / exact.norm()
+        assert ours_error < factor * (theirs(x) - exact).norm() / exact.norm()
 
 
 def test_int4_dot_layer_keeps_a_q4_1_grid_with_its_float16_scales():
@@ -73,9 +87,9 @@ def test_int4_dot_layer_keeps_a_q4_1_grid_with_its_float16_scales():
     torch.testing.assert_close(_dequantized(Int4DotLinear.from_layer(_linear(weight))), weight)
 
 
-@pytest.mark.parametrize("kind", [Int4DotLinear, Int8DotLinear])
-def test_dot_layer_leaves_an_input_size_off_its_packing_to_the_others(kind):
-    assert kind.from_layer(_linear(torch.randn(32, 96))) is None  # 96 % 64
+@pytest.mark.parametrize(("kind", "in_features"), [(Int4DotLinear, 48), (Int8DotLinear, 96)])
+def test_dot_layer_leaves_an_input_size_off_its_packing_to_the_others(kind, in_features):
+    assert kind.from_layer(_linear(torch.randn(32, in_features))) is None
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:

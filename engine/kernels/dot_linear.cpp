@@ -2,16 +2,20 @@
 // integers: y = x @ W.T + b, float32 in and out.
 //
 // Each row of x is quantized per group of 32 inputs to int8 with its own scale
-// (s = max|x| / 127), as llama.cpp's Q8 activations are, so that one AVX512-VNNI instruction
-// (vpdpbusd: unsigned bytes times signed bytes, summed in fours into int32) multiplies 64
-// weights by 64 activations. A few rows of x share each load of the weights; the output rows
-// are split across torch's threads.
+// (s = max|x| / 127), as llama.cpp's Q8 activations are, so that AVX512-VNNI's vpdpbusd
+// (unsigned bytes times signed bytes, summed in fours into int32 lanes) multiplies them in
+// integers. A few rows of x share each load of the weights; the output rows are split across
+// torch's threads.
 //
 // int4_linear: W [out, in] on GGUF's Q4_1 grid: each group of 32 inputs of a row has a scale d
-// and a minimum m (float16), weight = d * q + m with q in 0..15. Two groups (64 weights) share
-// 32 bytes: byte j holds q[j] of the first group in its low nibble and q[j] of the second in
-// its high one (Int4DotLinear.quantize in engine/models/quantized_linear.py). Per output and
-// group:  sum_i (d q_i + m) x_i  ~=  d s sum_i q_i xq_i  +  m sum_i x_i,
+// and a minimum m (float16), weight = d * q + m with q in 0..15. A row's groups go in blocks
+// of kLanes, one group per 32-bit lane of a 256-bit vector: one vpdpbusd takes 4 weights of
+// each of the block's groups, so eight of them sum each group's 32 products in its own lane
+// and one multiply-add per block applies the groups' scales. In a block of L groups (L < 8
+// only in a row's last block) chunk j = 0..3 holds, for each group, 4 bytes whose low nibbles
+// are its q[8j .. 8j + 3] and high nibbles its q[8j + 4 .. 8j + 7] (Int4DotLinear.quantize in
+// engine/models/quantized_linear.py); x is laid out per block to match. Per output and group:
+//   sum_i (d q_i + m) x_i  ~=  d s sum_i q_i xq_i  +  m sum_i x_i,
 // with sum_i x_i from the float32 activations. The rounding errors of xq would meet q's mean
 // (~7.5) there, so the kernel adds back d * 8 * sum_i (x_i - s xq_i): as if the products were
 // of q - 8, centred as the weights are.
@@ -36,7 +40,8 @@
 namespace {
 
 constexpr int64_t kGroup = 32;           // inputs sharing one activation scale (and weight scale)
-constexpr int64_t kGroupsPerBlock = 16;  // groups whose scales one vector holds
+constexpr int64_t kGroupsPerBlock = 16;  // int8: groups whose scales one vector holds
+constexpr int64_t kLanes = 8;            // int4: groups per block, one per 32-bit lane
 constexpr int64_t kRowsPerPass = 4;      // rows of x sharing each load of the weights
 constexpr float kMidpoint = 8.f;         // the middle of a 4-bit q's range 0..15
 constexpr float kInt8Offset = 128.f;     // int8 weights are stored as q + this
@@ -46,13 +51,14 @@ constexpr float kInt8Offset = 128.f;     // int8 weights are stored as q + this
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> scale, sum, correction, q_sum;
+  std::vector<int8_t> blocked;  // q as the int4 kernel reads it (`block_rows`), where it does
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t n, int64_t in) {
   const int64_t groups = n * (in / kGroup);
   QuantizedRows rows{std::vector<int8_t>(n * in), std::vector<float>(groups),
                      std::vector<float>(groups), std::vector<float>(groups),
-                     std::vector<float>(groups)};
+                     std::vector<float>(groups), {}};
   for (int64_t g = 0; g < groups; ++g) {
     const float* src = x + g * kGroup;
     float amax = 0.f, sum = 0.f;
@@ -103,49 +109,69 @@ struct PairLanes {
 
 inline __mmask16 block_mask(int64_t num) { return static_cast<__mmask16>((1u << num) - 1); }
 
+// x's int8 rows as the int4 kernel reads them: per row and block, for k = 0..7 the 4 bytes
+// xq[4k .. 4k + 3] of each of the block's kLanes groups (zeros past a row's last group).
+std::vector<int8_t> block_rows(const QuantizedRows& x, int64_t n, int64_t in) {
+  const int64_t groups = in / kGroup, blocks = (groups + kLanes - 1) / kLanes;
+  std::vector<int8_t> out(n * blocks * kLanes * kGroup, 0);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      int8_t* block = out.data() + (r * blocks + g / kLanes) * kLanes * kGroup;
+      for (int64_t k = 0; k < kGroup / 4; ++k) {
+        std::copy_n(x.q.data() + r * in + g * kGroup + 4 * k, 4,
+                    block + (k * kLanes + g % kLanes) * 4);
+      }
+    }
+  }
+  return out;
+}
+
+inline float sum_of(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
 template <int NR>
 void rows_of(const Int4Weights& w, const QuantizedRows& x, int64_t r0, int64_t in,
              int64_t begin, int64_t end, float* acc_out) {
-  const int64_t groups = in / kGroup;
-  const PairLanes pairs;
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  // The upper 32 bytes of a broadcast pair shift right by 4: their high nibbles.
-  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  const int64_t groups = in / kGroup, blocks = (groups + kLanes - 1) / kLanes;
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* packed = w.packed + o * (in / 2);
     const uint16_t* d = w.scales + o * 2 * groups;
     const uint16_t* m = d + groups;
-    __m512 acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < groups; g0 += kGroupsPerBlock) {
-      const int64_t num = std::min(kGroupsPerBlock, groups - g0);
-      const __mmask16 mask = block_mask(num);
-      const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + g0));
-      const __m512 mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m + g0));
-      __m512 ds[NR];
-      for (int r = 0; r < NR; ++r) {
-        const int64_t at = (r0 + r) * groups + g0;
-        ds[r] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(mask, x.scale.data() + at));
-        acc[r] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(mask, x.sum.data() + at), acc[r]);
-        acc[r] = _mm512_fmadd_ps(dw, _mm512_maskz_loadu_ps(mask, x.correction.data() + at),
-                                 acc[r]);
-      }
-      for (int64_t p = 0; p < num / 2; ++p) {
-        const int64_t first = g0 + 2 * p;  // the pair's first group
-        const __m256i bytes =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + first * kGroup / 2));
-        const __m512i q = _mm512_and_si512(
-            _mm512_srlv_epi16(_mm512_broadcast_i64x4(bytes), shift), low_nibbles);
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t g0 = b * kLanes, num = std::min(kLanes, groups - g0);
+      const __mmask8 mask = static_cast<__mmask8>((1u << num) - 1);
+      const uint8_t* chunks = packed + g0 * kGroup / 2;  // 4 chunks of num x 4 bytes
+      __m256i dot[NR];
+      for (int r = 0; r < NR; ++r) dot[r] = _mm256_setzero_si256();
+      for (int64_t j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_maskz_loadu_epi32(mask, chunks + j * num * 4);
+        const __m256i lo = _mm256_and_si256(v, low_nibbles);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
         for (int r = 0; r < NR; ++r) {
-          const __m512i xq = _mm512_loadu_si512(x.q.data() + (r0 + r) * in + first * kGroup);
-          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xq);
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                   _mm512_permutexvar_ps(pairs.lanes[p], ds[r]), acc[r]);
+          const int8_t* xb = x.blocked.data() + ((r0 + r) * blocks + b) * kLanes * kGroup;
+          const __m256i* xk = reinterpret_cast<const __m256i*>(xb) + 2 * j;
+          dot[r] = _mm256_dpbusd_epi32(dot[r], lo, _mm256_loadu_si256(xk));
+          dot[r] = _mm256_dpbusd_epi32(dot[r], hi, _mm256_loadu_si256(xk + 1));
         }
       }
+      const __m256 dw = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask, d + g0));
+      const __m256 mw = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask, m + g0));
+      for (int r = 0; r < NR; ++r) {
+        const int64_t at = (r0 + r) * groups + g0;
+        const __m256 ds = _mm256_mul_ps(dw, _mm256_maskz_loadu_ps(mask, x.scale.data() + at));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), ds, acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_maskz_loadu_ps(mask, x.sum.data() + at), acc[r]);
+        acc[r] = _mm256_fmadd_ps(dw, _mm256_maskz_loadu_ps(mask, x.correction.data() + at),
+                                 acc[r]);
+      }
     }
-    for (int r = 0; r < NR; ++r) acc_out[r * (end - begin) + (o - begin)] =
-        _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < NR; ++r) acc_out[r * (end - begin) + (o - begin)] = sum_of(acc[r]);
   }
 }
 
@@ -216,12 +242,13 @@ void dot_linear(const Weights& w, const QuantizedRows& x, int64_t n, int64_t in,
 
 #endif
 
-// Checks x [N, in] and the bias, and returns y [N, out] computed by `run(x rows, bias, y)`.
+// Checks x [N, in] (in a multiple of `in_multiple`) and the bias, and returns y [N, out]
+// computed by `run(x's quantized rows, bias, y)`.
 template <typename Run>
-torch::Tensor checked(const torch::Tensor& x, int64_t out_features,
+torch::Tensor checked(const torch::Tensor& x, int64_t in_multiple, int64_t out_features,
                       const c10::optional<torch::Tensor>& bias, Run run) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be float32 [N, in]");
-  TORCH_CHECK(x.size(1) % (2 * kGroup) == 0, "in_features must be a multiple of ", 2 * kGroup);
+  TORCH_CHECK(x.size(1) % in_multiple == 0, "in_features must be a multiple of ", in_multiple);
   const float* bias_ptr = nullptr;
   torch::Tensor bias_contiguous;
   if (bias.has_value() && bias->defined()) {
@@ -232,8 +259,8 @@ torch::Tensor checked(const torch::Tensor& x, int64_t out_features,
   }
   auto y = torch::empty({x.size(0), out_features}, x.options());
   const auto xc = x.contiguous();
-  run(quantize_rows(xc.data_ptr<float>(), x.size(0), x.size(1)), bias_ptr,
-      y.data_ptr<float>());
+  QuantizedRows rows = quantize_rows(xc.data_ptr<float>(), x.size(0), x.size(1));
+  run(rows, bias_ptr, y.data_ptr<float>());
   return y;
 }
 
@@ -259,8 +286,9 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() &&
                   scales.numel() == out_features * 2 * (in / kGroup),
               "scales must be contiguous float16 [out, 2, in / 32]");
-  return checked(x, out_features, bias, [&](const QuantizedRows& rows, const float* b, float* y) {
+  return checked(x, kGroup, out_features, bias, [&](QuantizedRows& rows, const float* b, float* y) {
 #ifdef PDCLUSTER_DOT_LINEAR
+    rows.blocked = block_rows(rows, x.size(0), in);
     const Int4Weights w{packed.data_ptr<uint8_t>(),
                         reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>())};
     dot_linear(w, rows, x.size(0), in, out_features, b, y);
@@ -280,7 +308,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
   TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.is_contiguous() &&
                   w_scale.numel() == out_features,
               "w_scale must be contiguous float32 [out]");
-  return checked(x, out_features, bias, [&](const QuantizedRows& rows, const float* b, float* y) {
+  return checked(x, 2 * kGroup, out_features, bias, [&](QuantizedRows& rows, const float* b, float* y) {
 #ifdef PDCLUSTER_DOT_LINEAR
     const Int8Weights w{q.data_ptr<uint8_t>(), w_scale.data_ptr<float>()};
     dot_linear(w, rows, x.size(0), in, out_features, b, y);

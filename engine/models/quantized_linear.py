@@ -152,7 +152,7 @@ class Int4Linear(WeightOnlyLinear):
 class DotLinear(WeightOnlyLinear):
     """A format multiplied by the engine's kernels (engine/kernels/dot_linear.cpp): the
     activations quantized to int8 per group of 32 as llama.cpp's are, integer dot products by
-    AVX512-VNNI, float32 in and out in one call. Inputs must come in multiples of 64."""
+    AVX512-VNNI, float32 in and out in one call."""
 
     @staticmethod
     def available() -> bool:
@@ -186,6 +186,30 @@ class Int8DotLinear(DotLinear):
         return torch.ops.pdcluster.int8_linear(rows, self.qweight, self.scales, self.bias)
 
 
+INT4_BLOCK_GROUPS = 8  # groups whose weights one step of the int4 kernel reads side by side
+
+
+def _pack_int4_blocks(q: torch.Tensor) -> torch.Tensor:
+    """q [out, groups, 32] (0..15) packed as engine/kernels/dot_linear.cpp's int4_linear reads
+    it: [out, in / 2] bytes, per row blocks of INT4_BLOCK_GROUPS groups (the last may be
+    shorter), each 4 chunks j of 4 bytes per group, whose low nibbles hold its q[8j .. 8j + 3]
+    and high nibbles its q[8j + 4 .. 8j + 7]."""
+    out_features, num_groups, _ = q.shape
+    num_blocks = -(-num_groups // INT4_BLOCK_GROUPS)
+    padded = q.new_zeros(out_features, num_blocks * INT4_BLOCK_GROUPS, GROUP_SIZE)
+    padded[:, :num_groups] = q
+    # [out, block, lane, j, nibble, byte]: position 8j + 4 * nibble + byte of the lane's group
+    parts = padded.view(out_features, num_blocks, INT4_BLOCK_GROUPS, 4, 2, 4)
+    chunks = (parts[..., 0, :] | (parts[..., 1, :] << 4)).transpose(
+        2, 3
+    )  # [out, block, j, lane, 4]
+    full, tail = divmod(num_groups, INT4_BLOCK_GROUPS)
+    packed = [chunks[:, :full].reshape(out_features, -1)]
+    if tail:  # the last block holds its groups only
+        packed.append(chunks[:, full, :, :tail].reshape(out_features, -1))
+    return torch.cat(packed, dim=1).contiguous()
+
+
 class Int4DotLinear(DotLinear):
     """`Int4Linear`'s grid with float16 scales and minimums (a GGUF Q4_1 block's own: its
     weights come back exactly), multiplied by int8 activations; whole decoder layers run on
@@ -196,17 +220,16 @@ class Int4DotLinear(DotLinear):
     @staticmethod
     def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         out_features, in_features = weight.shape
-        if in_features % (2 * GROUP_SIZE):  # two groups share a packed unit
+        if in_features % GROUP_SIZE:
             return None
-        groups = weight.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+        num_groups = in_features // GROUP_SIZE
+        groups = weight.view(out_features, num_groups, GROUP_SIZE)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, groups]
         scale, low = ((high - low) / 15).half(), low.half()  # as stored
         step = scale.float().clamp(min=1e-12)[..., None]
         q = torch.round((groups - low.float()[..., None]) / step).clamp(0, 15).to(torch.uint8)
-        pairs = q.view(out_features, -1, 2, GROUP_SIZE)  # [out, pairs, 2, 32]
-        packed = pairs[:, :, 0] | (pairs[:, :, 1] << 4)  # first group low, second high
         scales = torch.stack([scale, low], dim=1)  # [out, 2, groups]: d, then m
-        return packed.reshape(out_features, in_features // 2).contiguous(), scales.contiguous()
+        return _pack_int4_blocks(q), scales.contiguous()
 
     def kernel(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.pdcluster.int4_linear(rows, self.qweight, self.scales, self.bias)
