@@ -9,22 +9,9 @@
 //   h = rmsnorm(x) ; g, u = split(h @ Wgate_up) ; x = x + (silu(g) * u) @ Wdown
 // Norms in float32 as the float32 path computes them (not bitwise: summation order).
 
-#include <torch/extension.h>
-
 #include <cmath>
 
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                          const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias);
-
-torch::Tensor rope_and_cache_kv(const torch::Tensor& q, const torch::Tensor& k,
-                                const torch::Tensor& v, const torch::Tensor& cos,
-                                const torch::Tensor& sin, const torch::Tensor& kv_cache,
-                                int64_t layer, const torch::Tensor& slot_block_ids,
-                                const torch::Tensor& slot_offsets);
-
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                                     int64_t layer, const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale, int64_t window);
+#include "ops.h"
 
 namespace {
 
