@@ -200,9 +200,8 @@ def _pack_int4_blocks(q: torch.Tensor) -> torch.Tensor:
     padded[:, :num_groups] = q
     # [out, block, lane, j, nibble, byte]: position 8j + 4 * nibble + byte of the lane's group
     parts = padded.view(out_features, num_blocks, INT4_BLOCK_GROUPS, 4, 2, 4)
-    chunks = (parts[..., 0, :] | (parts[..., 1, :] << 4)).transpose(
-        2, 3
-    )  # [out, block, j, lane, 4]
+    nibbles = parts[..., 0, :] | (parts[..., 1, :] << 4)  # [out, block, lane, j, 4]
+    chunks = nibbles.transpose(2, 3)  # [out, block, j, lane, 4]
     full, tail = divmod(num_groups, INT4_BLOCK_GROUPS)
     packed = [chunks[:, :full].reshape(out_features, -1)]
     if tail:  # the last block holds its groups only
