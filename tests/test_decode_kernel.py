@@ -24,6 +24,7 @@ from engine.models.quantized_linear import (
 )
 from engine.models.tiered_linear import ROW_BUCKETS
 from tests.arch_checkpoints import make_checkpoint
+from tests.test_quantization import _linear
 
 pytestmark = pytest.mark.skipif(
     not Int4DotLinear.available(), reason="no engine CPU kernels with AVX512-VNNI here"
@@ -90,12 +91,6 @@ def test_int4_dot_layer_keeps_a_q4_1_grid_with_its_float16_scales():
 @pytest.mark.parametrize(("kind", "in_features"), [(Int4DotLinear, 48), (Int8DotLinear, 96)])
 def test_dot_layer_leaves_an_input_size_off_its_packing_to_the_others(kind, in_features):
     assert kind.from_layer(_linear(torch.randn(32, in_features))) is None
-
-
-def _linear(weight: torch.Tensor) -> nn.Linear:
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    layer.weight.data = weight
-    return layer
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 // At one to a few rows a layer's arithmetic is small and the step's time goes to calling
 // ~30 torch operators per layer from Python. Here the layer runs as the Python one does
 // (engine/models/llama.py: DecoderLayer with a gated SiLU MLP), on its 4-bit weights
-// (int4_linear.cpp), calling the other kernels of this folder directly:
+// (dot_linear.cpp), calling the other kernels of this folder directly:
 //   h = rmsnorm(x) ; q, k, v = split(h @ Wqkv) ; [q, k = rmsnorm per head (Qwen3)]
 //   q = rope(q), cache <- rope(k), v ; a = attention(q, cache) ; x = x + a @ Wo
 //   h = rmsnorm(x) ; g, u = split(h @ Wgate_up) ; x = x + (silu(g) * u) @ Wdown

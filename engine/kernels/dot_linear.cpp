@@ -47,10 +47,11 @@ constexpr float kMidpoint = 8.f;         // the middle of a 4-bit q's range 0..1
 constexpr float kInt8Offset = 128.f;     // int8 weights are stored as q + this
 
 // The rows of x quantized per group: q [n, in]; per group [n, in / kGroup] its scale, its
-// float32 sum, kMidpoint * the sum of its rounding errors, and the sum of its q.
+// float32 sum and kMidpoint * the sum of its rounding errors; per row [n] int8_linear's
+// C = kInt8Offset * sum_g scale_g * sum_i q_i.
 struct QuantizedRows {
   std::vector<int8_t> q;
-  std::vector<float> scale, sum, correction, q_sum;
+  std::vector<float> scale, sum, correction, int8_offset;
   std::vector<int8_t> blocked;  // q as the int4 kernel reads it (`block_rows`), where it does
 };
 
@@ -58,7 +59,7 @@ QuantizedRows quantize_rows(const float* x, int64_t n, int64_t in) {
   const int64_t groups = n * (in / kGroup);
   QuantizedRows rows{std::vector<int8_t>(n * in), std::vector<float>(groups),
                      std::vector<float>(groups), std::vector<float>(groups),
-                     std::vector<float>(groups), {}};
+                     std::vector<float>(n, 0.f), {}};
   for (int64_t g = 0; g < groups; ++g) {
     const float* src = x + g * kGroup;
     float amax = 0.f, sum = 0.f;
@@ -78,14 +79,15 @@ QuantizedRows quantize_rows(const float* x, int64_t n, int64_t in) {
     rows.scale[g] = scale;
     rows.sum[g] = sum;
     rows.correction[g] = kMidpoint * error;
-    rows.q_sum[g] = q_sum;
+    rows.int8_offset[g / (in / kGroup)] += kInt8Offset * scale * q_sum;
   }
   return rows;
 }
 
 #ifdef PDCLUSTER_DOT_LINEAR
 
-// The weights of one format; `Rows` computes outputs [begin, end) for x rows r0 .. r0 + NR.
+// The weights of one format; `rows_of` computes its outputs [begin, end) for x rows
+// r0 .. r0 + NR.
 struct Int4Weights {
   const uint8_t* packed;  // [out, in / 2]
   const uint16_t* scales;  // [out, 2, groups] float16: d, then m
@@ -180,14 +182,6 @@ void rows_of(const Int8Weights& w, const QuantizedRows& x, int64_t r0, int64_t i
              int64_t begin, int64_t end, float* acc_out) {
   const int64_t groups = in / kGroup;
   const PairLanes pairs;
-  float offset[NR];  // C / w_scale: the stored + 128's share, x's alone
-  for (int r = 0; r < NR; ++r) {
-    float c = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      c += x.scale[(r0 + r) * groups + g] * x.q_sum[(r0 + r) * groups + g];
-    }
-    offset[r] = kInt8Offset * c;
-  }
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* q = w.q + o * in;
     __m512 acc[NR];
@@ -211,7 +205,7 @@ void rows_of(const Int8Weights& w, const QuantizedRows& x, int64_t r0, int64_t i
       }
     }
     for (int r = 0; r < NR; ++r) acc_out[r * (end - begin) + (o - begin)] =
-        w.w_scale[o] * (_mm512_reduce_add_ps(acc[r]) - offset[r]);
+        w.w_scale[o] * (_mm512_reduce_add_ps(acc[r]) - x.int8_offset[r0 + r]);
   }
 }
 

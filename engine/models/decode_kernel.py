@@ -15,6 +15,8 @@ parallel hooks), runs the modules as before.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -86,7 +88,7 @@ def _int4_rows(layer: nn.Module | None) -> int:
     """Rows up to which `layer` multiplies in `Int4DotLinear` (0: none)."""
     if isinstance(layer, TieredLinear):
         return layer.max_rows[0] if _int4(layer) is not None else 0
-    return torch.iinfo(torch.int64).max if _int4(layer) is not None else 0
+    return sys.maxsize if _int4(layer) is not None else 0  # one format: every row count
 
 
 def _plain_norm(norm: RMSNorm, eps: float) -> bool:

@@ -98,6 +98,27 @@ class WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def _int8_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] as q in -127..127 ([out, in], float) times one float32 scale per
+    output row ([out]; symmetric)."""
+    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
+    return torch.round(weight / scales[:, None]).clamp(-127, 127), scales
+
+
+def _int4_grid(
+    weight: torch.Tensor, stored: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group of GROUP_SIZE inputs of weight [out, in] on 16 levels from its min (q = 0)
+    to its max (q = 15): q [out, groups, GROUP_SIZE] (float), and per group [out, groups] the
+    step and the min as `stored` holds them (in float32)."""
+    out_features, in_features = weight.shape
+    groups = weight.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, groups]
+    step = ((high - low) / 15).to(stored).float().clamp(min=1e-12)
+    low = low.to(stored).float()
+    return torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15), step, low
+
+
 class Int8Linear(WeightOnlyLinear):
     """int8 weights, one bf16 scale per output row (symmetric)."""
 
@@ -109,9 +130,8 @@ class Int8Linear(WeightOnlyLinear):
 
     @staticmethod
     def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
-        qweight = torch.round(weight / scales[:, None]).to(torch.int8)  # [out, in]
-        return qweight, scales.bfloat16()
+        q, scales = _int8_grid(weight)
+        return q.to(torch.int8), scales.bfloat16()
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(rows, self.qweight, self.scales)
@@ -134,10 +154,7 @@ class Int4Linear(WeightOnlyLinear):
         out_features, in_features = weight.shape
         if out_features % 16 or in_features % GROUP_SIZE:  # the packed layout's tiles
             return None
-        groups = weight.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, groups]
-        scale = ((high - low) / 15).clamp(min=1e-12)
-        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        q, scale, low = _int4_grid(weight, torch.float32)
         packed = torch._convert_weight_to_int4pack_for_cpu(
             q.to(torch.int32).view(out_features, in_features), 1
         )
@@ -178,8 +195,7 @@ class Int8DotLinear(DotLinear):
     def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if weight.shape[1] % (2 * GROUP_SIZE):
             return None
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
-        q = torch.round(weight / scales[:, None]).clamp(-127, 127)  # [out, in]
+        q, scales = _int8_grid(weight)
         return (q + 128).to(torch.uint8), scales
 
     def kernel(self, rows: torch.Tensor) -> torch.Tensor:
@@ -218,17 +234,11 @@ class Int4DotLinear(DotLinear):
 
     @staticmethod
     def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        out_features, in_features = weight.shape
-        if in_features % GROUP_SIZE:
+        if weight.shape[1] % GROUP_SIZE:
             return None
-        num_groups = in_features // GROUP_SIZE
-        groups = weight.view(out_features, num_groups, GROUP_SIZE)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, groups]
-        scale, low = ((high - low) / 15).half(), low.half()  # as stored
-        step = scale.float().clamp(min=1e-12)[..., None]
-        q = torch.round((groups - low.float()[..., None]) / step).clamp(0, 15).to(torch.uint8)
-        scales = torch.stack([scale, low], dim=1)  # [out, 2, groups]: d, then m
-        return _pack_int4_blocks(q), scales.contiguous()
+        q, step, low = _int4_grid(weight, torch.float16)
+        scales = torch.stack([step.half(), low.half()], dim=1)  # [out, 2, groups]: d, then m
+        return _pack_int4_blocks(q.to(torch.uint8)), scales.contiguous()
 
     def kernel(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.pdcluster.int4_linear(rows, self.qweight, self.scales, self.bias)
