@@ -50,7 +50,7 @@ test-slow: $(STAMP)
 	exit $$rc
 
 bench: $(STAMP)
-	$(PY) -m benchmarks.scheduler_step
+	$(PY) -m pdcluster.benchmarks.scheduler_step
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -38,14 +38,14 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from actors.messages import KVEvents, PullReply, RequestTrace, Route, StageTimes
-from actors.pixels import by_reference
-from actors.replies import Replies
-from actors.streams import PULL_WAIT_S
-from engine.outputs import EngineCoreOutput
-from engine.request import Request
-from routing.handoff import max_new_tokens, resume
-from routing.policy import Load, Plan, RouterConfig, RouterPolicy
+from pdcluster.actors.messages import KVEvents, PullReply, RequestTrace, Route, StageTimes
+from pdcluster.actors.pixels import by_reference
+from pdcluster.actors.replies import Replies
+from pdcluster.actors.streams import PULL_WAIT_S
+from pdcluster.engine.outputs import EngineCoreOutput
+from pdcluster.engine.request import Request
+from pdcluster.routing.handoff import max_new_tokens, resume
+from pdcluster.routing.policy import Load, Plan, RouterConfig, RouterPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -29,28 +29,28 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
-from actors.instance_metrics import InstanceMetrics
-from actors.kv_events import KVEventLog
-from actors.messages import LoadReport, PullReply, Route, StageTimes
-from actors.pixels import prefetch
-from actors.priority import run_at_normal_priority
-from actors.stage_clock import StageClock
-from actors.streams import PULL_WAIT_S, Outboxes, reap_orphans
-from actors.tp_worker import exit_instance, start_ray_workers
-from connectors.base import KVConnectorBase
-from connectors.multi import MultiKVConnector
-from connectors.ray_ec import RayECConnector
-from connectors.ray_kv import RayKVConnector
-from connectors.ray_kv_pool import RayKVPoolConnector
-from engine.config import EngineConfig
-from engine.core import EngineCore, resolve_device
-from engine.encoder_core import EncoderCore
-from engine.outputs import EngineCoreOutput
-from engine.parallel import RankLost
-from engine.precision import Precision
-from engine.presets import resolve_model_dir
-from engine.request import Request
-from routing.handoff import for_decode, for_prefill
+from pdcluster.actors.instance_metrics import InstanceMetrics
+from pdcluster.actors.kv_events import KVEventLog
+from pdcluster.actors.messages import LoadReport, PullReply, Route, StageTimes
+from pdcluster.actors.pixels import prefetch
+from pdcluster.actors.priority import run_at_normal_priority
+from pdcluster.actors.stage_clock import StageClock
+from pdcluster.actors.streams import PULL_WAIT_S, Outboxes, reap_orphans
+from pdcluster.actors.tp_worker import exit_instance, start_ray_workers
+from pdcluster.connectors.base import KVConnectorBase
+from pdcluster.connectors.multi import MultiKVConnector
+from pdcluster.connectors.ray_ec import RayECConnector
+from pdcluster.connectors.ray_kv import RayKVConnector
+from pdcluster.connectors.ray_kv_pool import RayKVPoolConnector
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.core import EngineCore, resolve_device
+from pdcluster.engine.encoder_core import EncoderCore
+from pdcluster.engine.outputs import EngineCoreOutput
+from pdcluster.engine.parallel import RankLost
+from pdcluster.engine.precision import Precision
+from pdcluster.engine.presets import resolve_model_dir
+from pdcluster.engine.request import Request
+from pdcluster.routing.handoff import for_decode, for_prefill
 
 logger = logging.getLogger(__name__)
 

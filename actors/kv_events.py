@@ -11,7 +11,7 @@ import uuid
 from collections import deque
 from itertools import islice
 
-from actors.messages import KVEvents
+from pdcluster.actors.messages import KVEvents
 
 
 class KVEventLog:

@@ -17,9 +17,9 @@ import logging
 import ray
 from ray.exceptions import RayError
 
-from actors.kv_events import KVEventLog
-from actors.messages import KVEvents
-from connectors.kv_pool_index import KVPoolIndex, PoolHit, PoolPublish
+from pdcluster.actors.kv_events import KVEventLog
+from pdcluster.actors.messages import KVEvents
+from pdcluster.connectors.kv_pool_index import KVPoolIndex, PoolHit, PoolPublish
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import EngineCoreOutput
+from pdcluster.engine.outputs import EngineCoreOutput
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from engine.request import MultiModalFeature
+from pdcluster.engine.request import MultiModalFeature
 
 
 @dataclass(frozen=True)

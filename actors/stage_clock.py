@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from actors.messages import StageTimes
-from engine.outputs import EngineCoreOutput
+from pdcluster.actors.messages import StageTimes
+from pdcluster.engine.outputs import EngineCoreOutput
 
 
 @dataclass

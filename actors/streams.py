@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from actors.messages import StageTimes
-from engine.outputs import EngineCoreOutput
+from pdcluster.actors.messages import StageTimes
+from pdcluster.engine.outputs import EngineCoreOutput
 
 PULL_WAIT_S = 5.0  # a pull with no output and no change to report returns after this
 REFRESH_S = 0.1  # a consumer hears of load changes at most this often (10 Hz) without outputs

@@ -18,8 +18,8 @@ import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.priority import run_at_normal_priority
-from engine.tp_worker import STOP_TIMEOUT_S, WorkerSpec, run_worker
+from pdcluster.actors.priority import run_at_normal_priority
+from pdcluster.engine.tp_worker import STOP_TIMEOUT_S, WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ float32 on CPU. Each decode reads a context of `--decode-context` tokens; prefil
 start after `--prefill-cached` cached tokens. The metadata build (once per step, shared by
 all layers) is timed apart.
 
-    python -m benchmarks.attention_step [--repeats 5] [--decode-context 512]
+    python -m pdcluster.benchmarks.attention_step [--repeats 5] [--decode-context 512]
         [--save before.json] [--baseline before.json]
 
 `--save` writes ms per layer by batch; `--baseline` reads such a file (e.g. saved at an older
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionMetadata, paged_attention
+from pdcluster.engine.attention import AttentionMetadata, paged_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 

@@ -33,16 +33,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report, stages
-from benchmarks.client import (
+from pdcluster.benchmarks import report, stages
+from pdcluster.benchmarks.client import (
     ClientProcess,
     PreparedRequest,
     RequestResult,
     run_load,
     stream_one,
 )
-from benchmarks.metrics import Slo, goodput, search_rates, summarize
-from benchmarks.targets import (
+from pdcluster.benchmarks.metrics import Slo, goodput, search_rates, summarize
+from pdcluster.benchmarks.targets import (
     Target,
     Variant,
     expand_variants,
@@ -52,7 +52,7 @@ from benchmarks.targets import (
     url_target,
     wait_quiet,
 )
-from benchmarks.workload import (
+from pdcluster.benchmarks.workload import (
     LengthScaling,
     RequestSpec,
     Workload,
@@ -463,7 +463,7 @@ def _sequential(target: Target, specs: list[RequestSpec], seed: int) -> list[Req
     """Requests one after another (concurrency 1)."""
 
     async def go() -> list[RequestResult]:
-        from benchmarks.client import make_client
+        from pdcluster.benchmarks.client import make_client
 
         async with make_client(target.api_key) as client:
             return [
@@ -579,7 +579,7 @@ def _http_ttft(
 
 
 async def _api_ttft(cluster: Any, spec: RequestSpec, rng: random.Random) -> float:
-    from engine.sampling_params import SamplingParams
+    from pdcluster.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
     prompt = token_prompt(spec.prompt_len, rng)

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from benchmarks.workload import RequestSpec
+from pdcluster.benchmarks.workload import RequestSpec
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ attention (KV write, gather, SDPA), whole layers run as one kernel call (4-bit d
 of a few rows: engine/models/decode_kernel.py) and the small ops (norms, RoPE, activations,
 residual adds, sampling), in ms per generated token (the short prompt's prefill included).
 
-    python -m benchmarks.decode_profile [--model smollm2-135m] [--dtypes float32,bfloat16]
+    python -m pdcluster.benchmarks.decode_profile [--model smollm2-135m] [--dtypes float32,bfloat16]
         [--quantizations none,int8,int4] [--batch 1] [--steps 32] [--rounds 3] [--threads 1]
 
 A mode prints as DTYPE:QUANTIZATION, with the formats each linear shape was given at load.
@@ -26,12 +26,12 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.report import loadavg
-from engine import LLM, SamplingParams
-from engine.config import QUANTIZATIONS
-from engine.models.packed_linear import PackedLinear
-from engine.models.quantized_linear import WeightOnlyLinear
-from engine.models.tiered_linear import TieredLinear
+from pdcluster.benchmarks.report import loadavg
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.config import QUANTIZATIONS
+from pdcluster.engine.models.packed_linear import PackedLinear
+from pdcluster.engine.models.quantized_linear import WeightOnlyLinear
+from pdcluster.engine.models.tiered_linear import TieredLinear
 
 MATMUL_OPS = (
     "mkldnn::_linear_pointwise",

@@ -36,9 +36,9 @@ The "nodes" of a real-model run share this machine's cores: on a small machine t
 oversubscribe the CPU, so a larger pool buys less than real nodes would; summary.md states
 the machine.
 
-    python -m benchmarks.elastic --rate-steps 0.3:60,1.2:60,0.3:60 --model preset:small-llama \\
+    python -m pdcluster.benchmarks.elastic --rate-steps 0.3:60,1.2:60,0.3:60 --model preset:small-llama \\
         --token-scale 0.25 --slo-scale 5,3 --out elastic-out
-    python -m benchmarks.elastic --model sim:h100-llama-3.1-8b --time-scale 8 \\
+    python -m pdcluster.benchmarks.elastic --model sim:h100-llama-3.1-8b --time-scale 8 \\
         --rate-from-trace 300 --peak-rate 48 --step-s 3 --runs elastic,fixed \\
         --max-prefill 3 --max-decode 1 --ttft-slo-ms 250 --tpot-slo-ms 100 --out elastic-sim
 """
@@ -60,24 +60,24 @@ from typing import Any
 
 import yaml
 
-from benchmarks import report
-from benchmarks.elastic_report import (
+from pdcluster.benchmarks import report
+from pdcluster.benchmarks.elastic_report import (
     ROLES,
     instance_seconds,
     step_attainment,
     topology_name,
     write_all,
 )
-from benchmarks.metrics import Slo
-from benchmarks.rate_profile import (
+from pdcluster.benchmarks.metrics import Slo
+from pdcluster.benchmarks.rate_profile import (
     RateStep,
     parse_rate_steps,
     poisson_arrivals,
     stepped_workload,
     trace_rate_steps,
 )
-from benchmarks.targets import Target, keep_current_cluster_record, resolve_config
-from benchmarks.workload import LengthScaling, Workload, trace_workload
+from pdcluster.benchmarks.targets import Target, keep_current_cluster_record, resolve_config
+from pdcluster.benchmarks.workload import LengthScaling, Workload, trace_workload
 
 STORE_BYTES = 100 * 1024 * 1024  # object store per Ray node
 SAMPLE_INTERVAL_S = 1.0
@@ -220,8 +220,8 @@ def ray_for_run(args: argparse.Namespace) -> contextlib.AbstractContextManager:
 def ray_for_bench(args: argparse.Namespace) -> contextlib.AbstractContextManager:
     """For a simulated model, one embedded Ray for every run, with the CPUs of the largest
     pool's instances (starting Ray once: on a loaded host a start can time out)."""
-    from benchmarks.targets import embedded_ray
-    from cluster.config import ClusterConfig
+    from pdcluster.benchmarks.targets import embedded_ray
+    from pdcluster.cluster.config import ClusterConfig
 
     if not is_sim(args):
         return contextlib.nullcontext()
@@ -258,7 +258,7 @@ async def load_with_samples(
 ) -> tuple[Any, list[InstanceSample]]:
     """The open-loop run, with the pool's size sampled beside it (same clock origin, to
     within the client's setup)."""
-    from benchmarks.client import run_load
+    from pdcluster.benchmarks.client import run_load
 
     samples: list[InstanceSample] = []
     start = time.perf_counter()
@@ -287,9 +287,9 @@ def measure_run(
     args: argparse.Namespace,
     steps: tuple[RateStep, ...],
 ) -> dict[str, Any]:
-    from benchmarks import bench, plan
-    from benchmarks.metrics import summarize
-    from benchmarks.targets import wait_quiet
+    from pdcluster.benchmarks import bench, plan
+    from pdcluster.benchmarks.metrics import summarize
+    from pdcluster.benchmarks.targets import wait_quiet
 
     wait_quiet(target)
     scale = args.time_scale
@@ -336,8 +336,8 @@ def bench_run(
     steps: tuple[RateStep, ...],
 ) -> dict[str, Any]:
     """One pool on a fresh Ray cluster: warm up, SLOs (wall clock), the measured run."""
-    from benchmarks import bench
-    from benchmarks.targets import Variant, local_target
+    from pdcluster.benchmarks import bench
+    from pdcluster.benchmarks.targets import Variant, local_target
 
     config_path = Path(args.out) / "configs" / f"{spec.name}.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
@@ -368,7 +368,7 @@ def _wall_slo_args(args: argparse.Namespace) -> argparse.Namespace:
 
 # ---- command line -----------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks.workload import default_trace
+    from pdcluster.benchmarks.workload import default_trace
 
     p = argparse.ArgumentParser(prog="pdcluster bench --elastic", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip

@@ -8,13 +8,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks import report
-from benchmarks.metrics import GOODPUT_ATTAINMENT, Slo
-from benchmarks.rate_profile import RateStep, step_index, step_starts
+from pdcluster.benchmarks import report
+from pdcluster.benchmarks.metrics import GOODPUT_ATTAINMENT, Slo
+from pdcluster.benchmarks.rate_profile import RateStep, step_index, step_starts
 
 if TYPE_CHECKING:
-    from benchmarks.client import RequestResult
-    from benchmarks.elastic import InstanceSample
+    from pdcluster.benchmarks.client import RequestResult
+    from pdcluster.benchmarks.elastic import InstanceSample
 
 ROLES = ("prefill", "decode")
 GOAL_INSTANCE_SECONDS_RATIO = 0.7  # elastic at most this × the largest pool's instance-seconds

@@ -12,7 +12,7 @@ Ray CPU gets), interleaved over `--repeats` rounds with a fresh image each, it t
 and prints medians, encode ÷ prefill, and P's work per request in 1P1D (encode + prefill)
 against E/P/D's slowest stage (max of the two): the capacity a separate encoder can add.
 
-    python -m benchmarks.encode_prefill [--model preset:small-llava] [--prompt-len 64]
+    python -m pdcluster.benchmarks.encode_prefill [--model preset:small-llava] [--prompt-len 64]
         [--repeats 5] [--threads 1]
 """
 
@@ -26,13 +26,13 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks import report
-from benchmarks.workload import RequestSpec, request_body
-from engine import LLM
-from engine.attention import AttentionMetadata, allocate_kv_cache
-from engine.multimodal import decode_data_url, load_image
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdcluster.benchmarks import report
+from pdcluster.benchmarks.workload import RequestSpec, request_body
+from pdcluster.engine import LLM
+from pdcluster.engine.attention import AttentionMetadata, allocate_kv_cache
+from pdcluster.engine.multimodal import decode_data_url, load_image
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 

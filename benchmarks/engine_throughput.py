@@ -23,7 +23,7 @@ decode step (derived from the two passes) is set against its memory floor: the b
 weights, which every step reads once, over the read bandwidth of one thread measured here (a
 sum over a 1 GiB tensor). Torch runs on --threads threads (1: what an instance actor gets).
 
-    python -m benchmarks.engine_throughput [--preset small-llama | --model MODEL]
+    python -m pdcluster.benchmarks.engine_throughput [--preset small-llama | --model MODEL]
         [--workloads equal,conversation,prefill-heavy] [--repeats 3] [--threads 1]
         [--dtype float32 --quantization none] [--hf-dtype float32] ...
 
@@ -45,13 +45,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.report import loadavg, machine_info
-from benchmarks.workload import LengthScaling, default_trace, trace_workload
-from engine import LLM, SamplingParams
-from engine.config import DEFAULT_QUANTIZATION, QUANTIZATIONS
-from engine.models.gguf import GGUF_WEIGHTS
-from engine.presets import PAD_TOKEN_ID, default_model_dir, resolve_model_dir
-from engine.tokenizer import Tokenizer
+from pdcluster.benchmarks.report import loadavg, machine_info
+from pdcluster.benchmarks.workload import LengthScaling, default_trace, trace_workload
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.config import DEFAULT_QUANTIZATION, QUANTIZATIONS
+from pdcluster.engine.models.gguf import GGUF_WEIGHTS
+from pdcluster.engine.presets import PAD_TOKEN_ID, default_model_dir, resolve_model_dir
+from pdcluster.engine.tokenizer import Tokenizer
 
 WORKLOADS = ("equal", "conversation", "prefill-heavy")
 
@@ -301,7 +301,7 @@ def print_config(
     cache = llm.engine.config.cache
     machine = machine_info()
     num_params = sum(p.numel() for p in hf.parameters())
-    print("command: python -m benchmarks.engine_throughput " + shlex.join(sys.argv[1:]))
+    print("command: python -m pdcluster.benchmarks.engine_throughput " + shlex.join(sys.argv[1:]))
     print(
         f"machine: {machine['processor']}, {machine['cpus_usable']} usable CPUs (shared), "
         f"load average {machine['loadavg_start']}, commit {str(machine['git_commit'])[:10]}"

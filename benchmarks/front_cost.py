@@ -11,7 +11,7 @@ with no request), the instances' pulls per second when idle and under load (from
 `--checkout DIR` runs another checkout's serve (e.g. the commit before a change) with this
 same client, so both sides are measured the same way:
 
-    python -m benchmarks.front_cost --checkout /tmp/before --label before --label after
+    python -m pdcluster.benchmarks.front_cost --checkout /tmp/before --label before --label after
 
 prints one table per side and the ratios after ÷ before.
 
@@ -22,7 +22,7 @@ open at once, every instance back to all blocks free with nothing held, the simu
 overrun share and tokens per second in modeled time, the planner's round time, and how long
 the cluster took to come up:
 
-    python -m benchmarks.front_cost --config benchmarks/configs/scale-32.yaml --trace \
+    python -m pdcluster.benchmarks.front_cost --config benchmarks/configs/scale-32.yaml --trace \
         --concurrency 1024 --requests-each 1 --token-scale 0.25 --json /tmp/scale-32.json
 """
 
@@ -46,8 +46,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.targets import REPO_ROOT, Target, free_port, url_target
-from benchmarks.workload import LengthScaling, default_trace, request_body, trace_workload
+from pdcluster.benchmarks.targets import REPO_ROOT, Target, free_port, url_target
+from pdcluster.benchmarks.workload import LengthScaling, default_trace, request_body, trace_workload
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 STREAM_TIMEOUT_S = 300.0  # a stream silent this long is lost
@@ -381,7 +381,7 @@ def scale_checks(
 def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(checkout), "RAY_AUTH_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", args.config,
+    cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--config", args.config,
            "--port", str(port)]  # fmt: skip
     log = open(f"/tmp/front_cost-{label}.log", "wb")  # noqa: SIM115 - the server's, while it runs
     started = time.monotonic()

@@ -12,7 +12,7 @@ Reported: client TTFT p50/p90 of each, the ratio 1P1D ÷ prefill alone, the hand
 traces (P prefill, P first token -> D received, D KV wait, D first step), and the load
 average at the start and end of each topology's run.
 
-    python -m benchmarks.handoff_ttft --model smollm2-135m --num-prompts 6 \\
+    python -m pdcluster.benchmarks.handoff_ttft --model smollm2-135m --num-prompts 6 \\
         --prompt-tokens 2048 --out handoff-out
 """
 
@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.metrics import percentile
-from benchmarks.report import loadavg, save_results
-from benchmarks.sessions import TOKEN_RANGE, int_pair
-from benchmarks.stages import request_stages
-from benchmarks.targets import embedded_ray, pd_config
-from engine import SamplingParams
+from pdcluster.benchmarks.metrics import percentile
+from pdcluster.benchmarks.report import loadavg, save_results
+from pdcluster.benchmarks.sessions import TOKEN_RANGE, int_pair
+from pdcluster.benchmarks.stages import request_stages
+from pdcluster.benchmarks.targets import embedded_ray, pd_config
+from pdcluster.engine import SamplingParams
 
 STAGES = ("prefill", "to_decode", "kv_wait", "first_decode_step")
 
@@ -61,7 +61,7 @@ def run_topology(
     args: argparse.Namespace, prompts: list[list[int]], colocated: bool
 ) -> dict[str, Any]:
     """Each prompt in turn on 1P1D, or on one mixed instance with max_tokens=1."""
-    from cluster.control.launch import launch
+    from pdcluster.cluster.control.launch import launch
 
     engine = {"max_num_seqs": 4, "max_model_len": args.prompt_tokens + args.max_tokens + 16}
     none = {"count": 0}

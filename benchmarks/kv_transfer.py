@@ -13,9 +13,9 @@ publish is several arrays and the load several scattered copies.
     ratio       = handoff GB/s / memcpy GB/s (two copies is the floor: 0.5)
 
 Usage:
-    python -m benchmarks.kv_transfer                     # single node, 1..512 MB
-    python -m benchmarks.kv_transfer --multinode         # also across two raylets
-    python -m benchmarks.kv_transfer --prealloc off      # plasma memory touched lazily
+    python -m pdcluster.benchmarks.kv_transfer                     # single node, 1..512 MB
+    python -m pdcluster.benchmarks.kv_transfer --multinode         # also across two raylets
+    python -m pdcluster.benchmarks.kv_transfer --prealloc off      # plasma memory touched lazily
 
 The single-node run starts Ray through the product's launcher (`cluster.control.launch.init_ray`), so
 it measures the plasma settings the product runs with unless --prealloc overrides them.
@@ -67,9 +67,9 @@ def shuffled_runs(num_blocks: int, run: int, pool_blocks: int, seed: int) -> lis
 def make_actors(ray, layout: Layout, pool_blocks: int, run: int, multinode: bool):
     import torch
 
-    from connectors.ray_kv import RayKVConnector
-    from engine.request import Request, RequestStatus
-    from engine.sampling_params import SamplingParams
+    from pdcluster.connectors.ray_kv import RayKVConnector
+    from pdcluster.engine.request import Request, RequestStatus
+    from pdcluster.engine.sampling_params import SamplingParams
 
     def pool_of(fill_by_block: bool) -> torch.Tensor:
         pool = torch.empty((pool_blocks, *layout.block_shape), dtype=getattr(torch, layout.dtype))
@@ -253,8 +253,8 @@ def run_suite(ray, layout: Layout, args, multinode: bool) -> None:
 def start_ray(args, multinode: bool):
     import ray
 
-    from cluster.config import RaySettings
-    from cluster.control.launch import init_ray
+    from pdcluster.cluster.config import RaySettings
+    from pdcluster.cluster.control.launch import init_ray
 
     store_bytes = int(max(args.sizes_mb) * 2**20 * 2.5) + (256 << 20)
     if not multinode:
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(REPO_ROOT))
 
     layout = Layout(args.num_layers, args.num_kv_heads, args.head_dim, args.block_size, args.dtype)
-    print("command:", " ".join([Path(sys.executable).name, "-m", "benchmarks.kv_transfer", *(
+    print("command:", " ".join([Path(sys.executable).name, "-m", "pdcluster.benchmarks.kv_transfer", *(
         argv if argv is not None else sys.argv[1:])]))  # fmt: skip
     import ray as ray_module
 

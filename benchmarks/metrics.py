@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.client import RequestResult
+from pdcluster.benchmarks.client import RequestResult
 
 PERCENTILES = (50, 90, 99)
 GOODPUT_ATTAINMENT = 0.9  # DistServe: a rate counts when 90% of requests meet both SLOs

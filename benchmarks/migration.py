@@ -11,7 +11,7 @@ traces say which), the extra latency against the same stream undisturbed and the
 longest gap between two chunks), against the undisturbed p50 TTFT (one prefill of a prompt
 under this load: the goal is a stall of about one re-prefill of prompt + tokens so far).
 
-    python -m benchmarks.migration --model smollm2-135m --prefills 1 --decodes 2 \\
+    python -m pdcluster.benchmarks.migration --model smollm2-135m --prefills 1 --decodes 2 \\
         --streams 32 --max-tokens 128 --out migration-out
 
 With `--url` and `--address` it measures a cluster served from outside instead (`ray start
@@ -20,7 +20,7 @@ and, as a separate Ray driver of that cluster, kills the decode instance the gat
 `/v1/cluster` shows running the most streams; moved streams are counted from the gateway's
 `pdcluster_request_migrations_total`. One round, at the server's own `migration_limit`:
 
-    python -m benchmarks.migration --url http://127.0.0.1:8000 --address 127.0.0.1:6379
+    python -m pdcluster.benchmarks.migration --url http://127.0.0.1:8000 --address 127.0.0.1:6379
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.client import PreparedRequest, RequestResult, make_client, stream_one
-from benchmarks.report import save_results
-from benchmarks.targets import embedded_ray, pd_config, serve_in_thread
-from benchmarks.workload import RequestSpec
-from cluster.config import RaySettings
-from routing.policy import DEFAULT_MIGRATION_LIMIT
+from pdcluster.benchmarks.client import PreparedRequest, RequestResult, make_client, stream_one
+from pdcluster.benchmarks.report import save_results
+from pdcluster.benchmarks.targets import embedded_ray, pd_config, serve_in_thread
+from pdcluster.benchmarks.workload import RequestSpec
+from pdcluster.cluster.config import RaySettings
+from pdcluster.routing.policy import DEFAULT_MIGRATION_LIMIT
 
 ENGINE = {"block_size": 16, "num_blocks": 1024, "max_num_seqs": 64, "max_model_len": 2048}
 IDLE_TIMEOUT_S = 120.0
@@ -95,8 +95,8 @@ def kill_busiest(stats: list[dict[str, Any]], namespace: str | None = None) -> s
 
 
 def run_one(args: argparse.Namespace, limit: int) -> dict[str, Any]:
-    from cluster.control.launch import launch
-    from cluster.replicas import gateway_app
+    from pdcluster.cluster.control.launch import launch
+    from pdcluster.cluster.replicas import gateway_app
 
     config = pd_config(args, ENGINE, router={"migration_limit": limit})
     cluster = launch(config)
@@ -126,7 +126,7 @@ def run_outside(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
     import ray
 
-    from cluster.control.launch import init_ray
+    from pdcluster.cluster.control.launch import init_ray
 
     init_ray(RaySettings(address=args.address, namespace=args.namespace))  # token auth too
     url = args.url.rstrip("/")

@@ -31,11 +31,11 @@ from typing import Any
 
 import yaml
 
-from benchmarks import plan_plot, report
-from benchmarks.bench import add_workload_arguments, build_workload, start_target
-from benchmarks.metrics import GOODPUT_ATTAINMENT, goodput, search_rates
-from benchmarks.targets import Target, Variant, embedded_ray, load_variant, local_target
-from benchmarks.workload import Workload
+from pdcluster.benchmarks import plan_plot, report
+from pdcluster.benchmarks.bench import add_workload_arguments, build_workload, start_target
+from pdcluster.benchmarks.metrics import GOODPUT_ATTAINMENT, goodput, search_rates
+from pdcluster.benchmarks.targets import Target, Variant, embedded_ray, load_variant, local_target
+from pdcluster.benchmarks.workload import Workload
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "plan-sim.yaml"
 MAX_OVERRUN_SHARE = 0.05  # a split with more of its steps overrun is not trusted

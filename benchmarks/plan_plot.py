@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from benchmarks.plan import SplitResult
+    from pdcluster.benchmarks.plan import SplitResult
 
 
 def plot(results: list[SplitResult], slo_ttft_ms: float, target: float, path: Path) -> None:

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.workload import Workload, load_trace
+from pdcluster.benchmarks.workload import Workload, load_trace
 
 
 @dataclass(frozen=True)

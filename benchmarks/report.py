@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.metrics import vllm_result
-from benchmarks.stages import STAGES
-from benchmarks.targets import REPO_ROOT
+from pdcluster.benchmarks.metrics import vllm_result
+from pdcluster.benchmarks.stages import STAGES
+from pdcluster.benchmarks.targets import REPO_ROOT
 
 
 # ---- machine ----------------------------------------------------------------------------

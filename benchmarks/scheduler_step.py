@@ -4,14 +4,14 @@ Runner outputs are built by hand between the timed calls. Default workload: 256 
 512 distinct prompt tokens and 128 output tokens, block size 16, 8192 blocks, 8192-token
 budget, 256 sequences; prefix caching on and off.
 
-    python -m benchmarks.scheduler_step [--prefix-caching {on,off,both}]
+    python -m pdcluster.benchmarks.scheduler_step [--prefix-caching {on,off,both}]
 
 `--shared-prefix-len N` counts admissions instead of timing steps: every request's prompt is
 the same N tokens then `--unique-len` tokens of its own, all arriving together. It prints how
 many requests the first step admits, how many of them hit the prefix cache, and the prompt
 tokens computed (not taken from the cache) until every prompt is prefilled.
 
-    python -m benchmarks.scheduler_step --num-requests 128 --shared-prefix-len 384 --unique-len 8
+    python -m pdcluster.benchmarks.scheduler_step --num-requests 128 --shared-prefix-len 384 --unique-len 8
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import random
 import statistics
 import time
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.outputs import RunnerOutput, SchedulerOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from pdcluster.engine.config import CacheConfig, SchedulerConfig
+from pdcluster.engine.outputs import RunnerOutput, SchedulerOutput
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.scheduler import Scheduler
 
 
 def fake_runner_output(scheduler: Scheduler, so: SchedulerOutput, token_id: int) -> RunnerOutput:

@@ -18,7 +18,7 @@ off, and the load average at the start and end of each variant.
 under load); the report then has the follow-ups that new P served (their TTFT, and the
 tokens they computed): cold without the pool, served from it with.
 
-    python -m benchmarks.sessions --model smollm2-135m --prefills 2 --decodes 1 \\
+    python -m pdcluster.benchmarks.sessions --model smollm2-135m --prefills 2 --decodes 1 \\
         --sessions 16 --turns 4 --out sessions-out
 """
 
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.metrics import percentile
-from benchmarks.report import loadavg, save_results
-from benchmarks.targets import embedded_ray, pd_config
-from engine import SamplingParams
+from pdcluster.benchmarks.metrics import percentile
+from pdcluster.benchmarks.report import loadavg, save_results
+from pdcluster.benchmarks.targets import embedded_ray, pd_config
+from pdcluster.engine import SamplingParams
 
 IDLE_TIMEOUT_S = 300.0
 TOKEN_RANGE = (1000, 40000)  # ordinary vocabulary ids of SmolLM2 (no special tokens)
@@ -140,7 +140,7 @@ async def run_all(
 
 
 def run_variant(args: argparse.Namespace, pool_on: bool) -> dict[str, Any]:
-    from cluster.control.launch import launch
+    from pdcluster.cluster.control.launch import launch
 
     engine = {
         "block_size": args.block_size,

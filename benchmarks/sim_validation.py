@@ -2,7 +2,7 @@
 the same topologies, trace and rates, one on the real model and one on its fitted `sim:`
 profile. Each cell is real / sim (sim ÷ real); a ratio outside ±tolerance is marked.
 
-    python -m benchmarks.sim_validation --real REAL/results.json --sim SIM/results.json
+    python -m pdcluster.benchmarks.sim_validation --real REAL/results.json --sim SIM/results.json
 """
 
 from __future__ import annotations

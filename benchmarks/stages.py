@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from actors.front import TRACE_PROMPT_HEAD
-from actors.messages import RequestTrace, StageTimes
-from benchmarks.client import PreparedRequest, RequestResult
-from benchmarks.metrics import percentile
+from pdcluster.actors.front import TRACE_PROMPT_HEAD
+from pdcluster.actors.messages import RequestTrace, StageTimes
+from pdcluster.benchmarks.client import PreparedRequest, RequestResult
+from pdcluster.benchmarks.metrics import percentile
 
 STAGES = (
     "to_instance",

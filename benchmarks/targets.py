@@ -114,7 +114,7 @@ def expand_variants(config_names: list[str], varies: list[str]) -> list[Variant]
 def load_variant(variant: Variant, model: str | None) -> Any:
     """The variant's validated `ClusterConfig` (model overridden when given); a clear
     ValueError names a bad setting."""
-    from cluster.config import ClusterConfig
+    from pdcluster.cluster.config import ClusterConfig
 
     overrides = variant.overrides()
     if model:
@@ -125,8 +125,8 @@ def load_variant(variant: Variant, model: str | None) -> Any:
 @contextlib.contextmanager
 def local_target(variant: Variant, model: str | None) -> Iterator[Target]:
     """Launch the topology (model overridden when given) and serve its gateway."""
-    from cluster.control.launch import launch
-    from cluster.replicas import gateway_app
+    from pdcluster.cluster.control.launch import launch
+    from pdcluster.cluster.replicas import gateway_app
 
     path = resolve_config(variant.config_name)
     config = load_variant(variant, model)
@@ -150,7 +150,7 @@ def local_target(variant: Variant, model: str | None) -> Iterator[Target]:
 def shared_ray(config_names: list[str]) -> Iterator[None]:
     """One embedded Ray for topologies launched side by side, with the CPUs of them all
     (each config's `ray.num_cpus` is sized for it alone); shut down on the way out."""
-    from cluster.config import ClusterConfig
+    from pdcluster.cluster.config import ClusterConfig
 
     configs = [ClusterConfig.from_yaml(resolve_config(name)) for name in config_names]
     with embedded_ray(sum(c.ray.num_cpus or 0 for c in configs) or None):
@@ -163,8 +163,8 @@ def embedded_ray(num_cpus: int | None) -> Iterator[None]:
     shut down on the way out when started here."""
     import ray
 
-    from cluster.config import RaySettings
-    from cluster.control.launch import init_ray
+    from pdcluster.cluster.config import RaySettings
+    from pdcluster.cluster.control.launch import init_ray
 
     with keep_current_cluster_record():
         started = init_ray(RaySettings(num_cpus=num_cpus))
@@ -195,7 +195,7 @@ def keep_current_cluster_record() -> Iterator[None]:
 def pd_config(args: Any, engine: dict[str, Any], **sections: Any) -> Any:
     """`args.prefills` P and `args.decodes` D of `args.model`, each instance one CPU, with
     `engine` settings and further config `sections` (e.g. router=...)."""
-    from cluster.config import ClusterConfig
+    from pdcluster.cluster.config import ClusterConfig
 
     roles = {
         "prefill": {"count": args.prefills, "num_cpus": 1},
@@ -215,7 +215,7 @@ def serve_in_thread(app: Any, timeout_s: float = 30.0) -> Iterator[str]:
     """Serve a FastAPI app on 127.0.0.1 until the block ends; yields the base URL."""
     import uvicorn
 
-    from cluster.replicas import listen
+    from pdcluster.cluster.replicas import listen
 
     sock = listen("127.0.0.1", 0, reuse_port=True)  # more replicas may share the port
     port = sock.getsockname()[1]

@@ -5,7 +5,7 @@ A prefill step runs `--batch` prompts of `--prompt-len` tokens in one step; a de
 runs one new token for each of them. Medians over `--decode-steps` decode steps and
 `--repeats` prefill steps.
 
-    python -m benchmarks.tp_step --model smollm2-135m [--tp 1 2] [--cores 2]
+    python -m pdcluster.benchmarks.tp_step --model smollm2-135m [--tp 1 2] [--cores 2]
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.sampling_params import SamplingParams
 
 
 def step_ms(llm: LLM) -> float:

@@ -12,7 +12,7 @@ Each server is started, warmed up with one request, runs every load, and is stop
 next starts (each server may use both cores). Printed per load: output tokens/s, mean
 inter-token latency, and pdcluster ÷ llama.cpp. Without --llama-server only pdcluster runs.
 
-    python -m benchmarks.vs_llama_cpp --llama-server /work/peer/llama-server \\
+    python -m pdcluster.benchmarks.vs_llama_cpp --llama-server /work/peer/llama-server \\
         [--model smollm2-135m] [--quantization int8] [--loads one,many,prefill] \\
         [--variant "--num-threads 2" ...]
 
@@ -43,10 +43,10 @@ from typing import Any
 
 import httpx
 
-from benchmarks.report import loadavg
-from engine.config import DEFAULT_QUANTIZATION, QUANTIZATIONS
-from engine.presets import PACKAGED_MODELS, packaged_model_file, resolve_model_dir
-from engine.tokenizer import Tokenizer
+from pdcluster.benchmarks.report import loadavg
+from pdcluster.engine.config import DEFAULT_QUANTIZATION, QUANTIZATIONS
+from pdcluster.engine.presets import PACKAGED_MODELS, packaged_model_file, resolve_model_dir
+from pdcluster.engine.tokenizer import Tokenizer
 
 NO_KEEPALIVE = httpx.Limits(max_connections=None, max_keepalive_connections=0)
 READY_TIMEOUT_S = 600.0  # a server that answers no /v1/models by then failed to start

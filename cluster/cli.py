@@ -12,11 +12,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cluster.config import ClusterConfig
+    from pdcluster.cluster.config import ClusterConfig
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from engine.presets import make_model
+    from pdcluster.engine.presets import make_model
 
     path = make_model(args.preset, args.out)
     print(path)
@@ -26,8 +26,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 def _cmd_profile(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.sim.fit import grid, profile_model
-    from engine.sim.profile import write_profile
+    from pdcluster.engine.sim.fit import grid, profile_model
+    from pdcluster.engine.sim.profile import write_profile
 
     shapes = grid(
         args.prefill_tokens, args.prefill_contexts, args.decode_seqs, args.decode_contexts
@@ -60,8 +60,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _add_profile_parser(sub: argparse._SubParsersAction) -> None:
-    from cluster.config import RoleSpec
-    from engine.sim import fit
+    from pdcluster.cluster.config import RoleSpec
+    from pdcluster.engine.sim import fit
 
     p = sub.add_parser(
         "profile",
@@ -93,7 +93,7 @@ def _add_profile_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from pdcluster.engine import LLM, SamplingParams
 
     llm = LLM(args.model)
     params = SamplingParams(
@@ -151,7 +151,7 @@ or keep the token in ~/.ray/auth_token)."""
 
 def _describe(path: tuple[str, ...]) -> str:
     """The config field's own description, for the flag's help."""
-    from cluster.config import ClusterConfig
+    from pdcluster.cluster.config import ClusterConfig
 
     if path[-1] == "count":
         return f"{path[0]} instances"
@@ -182,13 +182,13 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_serve_config(args: argparse.Namespace) -> ClusterConfig:
-    from cluster.config import ClusterConfig
+    from pdcluster.cluster.config import ClusterConfig
 
     return ClusterConfig.load(args.config, serve_overrides(args))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from cluster.serve import serve
+    from pdcluster.cluster.serve import serve
 
     serve(load_serve_config(args))
     return 0
@@ -248,8 +248,8 @@ def _scale_on_ray(
 ) -> list[str]:
     import ray
 
-    from cluster.config import RaySettings
-    from cluster.control.launch import init_ray
+    from pdcluster.cluster.config import RaySettings
+    from pdcluster.cluster.control.launch import init_ray
 
     init_ray(RaySettings(address=address, namespace=namespace))
     controllers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -269,8 +269,8 @@ def _scale_on_ray(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cluster.config import builtin_config_names
     from pdcluster import __version__
+    from pdcluster.cluster.config import builtin_config_names
 
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pdcluster {__version__}")
@@ -352,27 +352,27 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["job"]:  # the job has its own parser (and --help)
-        from cluster.job import main as job_main
+        from pdcluster.cluster.job import main as job_main
 
         return job_main(argv[1:])
     if argv[:1] == ["bench"] and "--elastic" in argv:  # elastic vs fixed pools (its own parser)
-        from benchmarks.elastic import main as elastic_main
+        from pdcluster.benchmarks.elastic import main as elastic_main
 
         return elastic_main([a for a in argv[1:] if a != "--elastic"])
     if argv[:1] == ["bench"] and "--handoff-ttft" in argv:  # P->D TTFT vs the prefill alone
-        from benchmarks.handoff_ttft import main as handoff_main
+        from pdcluster.benchmarks.handoff_ttft import main as handoff_main
 
         return handoff_main([a for a in argv[1:] if a != "--handoff-ttft"])
     if argv[:1] == ["bench"] and "--sessions" in argv:  # KV pool off vs on (its own parser)
-        from benchmarks.sessions import main as sessions_main
+        from pdcluster.benchmarks.sessions import main as sessions_main
 
         return sessions_main([a for a in argv[1:] if a != "--sessions"])
     if argv[:1] == ["bench"]:  # the benchmark has its own parser (and --help)
-        from benchmarks.bench import main as bench_main
+        from pdcluster.benchmarks.bench import main as bench_main
 
         return bench_main(argv[1:])
     if argv[:1] == ["plan"]:  # the planner has its own parser (and --help)
-        from benchmarks.plan import main as plan_main
+        from pdcluster.benchmarks.plan import main as plan_main
 
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.config import (
+from pdcluster.engine.config import (
     DEFAULT_NUM_BLOCKS,
     DEFAULT_QUANTIZATION,
     DEFAULT_SCHEDULING_POLICY,
@@ -27,7 +27,7 @@ from engine.config import (
     SchedulingPolicy,
     kv_sizing_fields_set,
 )
-from routing.policy import DEFAULT_MIGRATION_LIMIT
+from pdcluster.routing.policy import DEFAULT_MIGRATION_LIMIT
 
 ROLES = ("encoder", "prefill", "decode", "mixed")
 AUTOSCALED_ROLES = ("prefill", "decode")

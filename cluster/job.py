@@ -1,6 +1,6 @@
 """Batch inference through a pdcluster: JSONL prompts in, JSONL results out.
 
-    python -m cluster.job --config CONFIG --input prompts.jsonl --output results.jsonl
+    python -m pdcluster.cluster.job --config CONFIG --input prompts.jsonl --output results.jsonl
 
 Each input line is an object with an `id` (string or integer, unique in the file) and one of
 `prompt` (text), `messages` (OpenAI chat messages, rendered with the model's chat template;
@@ -34,13 +34,13 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from cluster.config import ClusterConfig
-from engine.llm import merge_output, new_request_output
-from engine.processor import PromptType
-from engine.sampling_params import SamplingParams
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.engine.llm import merge_output, new_request_output
+from pdcluster.engine.processor import PromptType
+from pdcluster.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from cluster.control.launch import Cluster
+    from pdcluster.cluster.control.launch import Cluster
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens")
@@ -368,7 +368,7 @@ class ClusterStartError(RuntimeError):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m cluster.job",
+        prog="python -m pdcluster.cluster.job",
         description="Batch inference through a pdcluster: JSONL prompts in, JSONL results out.",
     )
     parser.add_argument("--config", required=True, help="topology config (YAML)")
@@ -445,7 +445,9 @@ def _run_job(
 ) -> None:
     import ray
 
-    from cluster.control.launch import launch  # Ray is imported only once there is work to do
+    from pdcluster.cluster.control.launch import (
+        launch,  # Ray is imported only once there is work to do
+    )
 
     try:
         cluster = launch(config)

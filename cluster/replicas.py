@@ -22,9 +22,9 @@ import uvicorn
 from fastapi import FastAPI
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.api.app import create_app
-from cluster.config import ClusterConfig, GatewaySettings
-from cluster.control.launch import Cluster, launch
+from pdcluster.cluster.api.app import create_app
+from pdcluster.cluster.config import ClusterConfig, GatewaySettings
+from pdcluster.cluster.control.launch import Cluster, launch
 
 
 def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:

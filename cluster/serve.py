@@ -12,9 +12,9 @@ from types import FrameType
 
 import ray
 
-from cluster.config import ClusterConfig
-from cluster.control.launch import Cluster, launch
-from cluster.replicas import (
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.cluster.control.launch import Cluster, launch
+from pdcluster.cluster.replicas import (
     GRACEFUL_SHUTDOWN_S,
     gateway_app,
     listen,
@@ -22,7 +22,7 @@ from cluster.replicas import (
     start_replicas,
     uvicorn_server,
 )
-from engine.kv_budget import GiB
+from pdcluster.engine.kv_budget import GiB
 
 logger = logging.getLogger(__name__)
 

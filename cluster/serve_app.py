@@ -1,6 +1,6 @@
 """Ray Serve application: the same gateway, for a KubeRay RayService.
 
-`serveConfigV2` names `import_path: cluster.serve_app:build_app` with `args: {config: ...}`.
+`serveConfigV2` names `import_path: pdcluster.cluster.serve_app:build_app` with `args: {config: ...}`.
 Every replica of the gateway deployment attaches to ONE instance pool (named by `pool`):
 the first replica to start launches it (detached, so it outlives replicas that come and go),
 the others attach; each replica plans its own requests and reads tokens straight from the
@@ -16,7 +16,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from cluster.config import ClusterConfig
+from pdcluster.cluster.config import ClusterConfig
 
 DEFAULT_CONFIG = "local-1e1p1d"  # a built-in topology (see cluster.config.config_path)
 DEFAULT_POOL = "pdcluster-serve"
@@ -42,8 +42,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     pool = args.get("pool", DEFAULT_POOL)
 
     def build_gateway():
-        from cluster.control.launch import launch
-        from cluster.replicas import gateway_app
+        from pdcluster.cluster.control.launch import launch
+        from pdcluster.cluster.replicas import gateway_app
 
         return gateway_app(launch(config, pool=pool, detached=True))
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from engine.outputs import SchedulerOutput
-    from engine.request import Request
+    from pdcluster.engine.outputs import SchedulerOutput
+    from pdcluster.engine.request import Request
 
 
 class HeadShardedKV(Protocol):

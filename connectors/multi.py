@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from connectors.base import HeadShardedKV, KVConnectorBase
-from engine.request import Request
+from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase
+from pdcluster.engine.request import Request
 
 C = TypeVar("C", bound=KVConnectorBase)
 

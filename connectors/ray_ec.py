@@ -23,9 +23,9 @@ import numpy as np
 import ray
 import torch
 
-from connectors.base import ECConnectorBase
-from engine.outputs import SchedulerOutput
-from engine.request import Request
+from pdcluster.connectors.base import ECConnectorBase
+from pdcluster.engine.outputs import SchedulerOutput
+from pdcluster.engine.request import Request
 
 
 @dataclass

@@ -36,9 +36,9 @@ import ray
 import torch
 from ray.exceptions import RayError
 
-from connectors.base import HeadShardedKV, KVConnectorBase, KVTransferParams
-from connectors.ray_kv_layout import BlockArrays, Latency, RayKVHandle, plan_segments
-from engine.request import Request, RequestStatus
+from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase, KVTransferParams
+from pdcluster.connectors.ray_kv_layout import BlockArrays, Latency, RayKVHandle, plan_segments
+from pdcluster.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import ray
 import torch
 
 if TYPE_CHECKING:
-    from connectors.base import HeadShardedKV
+    from pdcluster.connectors.base import HeadShardedKV
 
 _RAW_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

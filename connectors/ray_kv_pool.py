@@ -33,11 +33,11 @@ import numpy as np
 import ray
 from ray.exceptions import RayError
 
-from connectors.base import HeadShardedKV, KVConnectorBase
-from connectors.kv_pool_index import PoolHit, PoolPublish
-from connectors.ray_kv import LOCAL_RESOLVE_TIMEOUT_S
-from connectors.ray_kv_layout import BlockArrays, Latency, plan_segments
-from engine.request import Request, RequestStatus
+from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase
+from pdcluster.connectors.kv_pool_index import PoolHit, PoolPublish
+from pdcluster.connectors.ray_kv import LOCAL_RESOLVE_TIMEOUT_S
+from pdcluster.connectors.ray_kv_layout import BlockArrays, Latency, plan_segments
+from pdcluster.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_kernels
+from pdcluster.engine.kernels import cpu_kernels
 
 if TYPE_CHECKING:
-    from engine.models.loader import ModelInfo
+    from pdcluster.engine.models.loader import ModelInfo
 
 
 def allocate_kv_cache(

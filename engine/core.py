@@ -7,21 +7,31 @@ import logging
 
 import torch
 
-from connectors.base import ECConnectorBase, KVConnectorBase
-from engine.config import EngineConfig
-from engine.kv_budget import GiB, size_cache
-from engine.model_runner import ModelRunner
-from engine.models.loader import ModelInfo, load_model, read_model_info
-from engine.outputs import EngineCoreOutput, KVConnectorOutput, RunnerOutput, SchedulerOutput
-from engine.parallel import check_tp_size, shard_model
-from engine.precision import Precision
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
-from engine.sim.profile import read_folder_profile, sim_cache
-from engine.sim.runner import SimRunner
-from engine.structured_output import GrammarCompiler
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.tp_worker import TensorParallelGroup, WorkerLauncher, local_info, start_processes
+from pdcluster.connectors.base import ECConnectorBase, KVConnectorBase
+from pdcluster.engine.config import EngineConfig
+from pdcluster.engine.kv_budget import GiB, size_cache
+from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.engine.models.loader import ModelInfo, load_model, read_model_info
+from pdcluster.engine.outputs import (
+    EngineCoreOutput,
+    KVConnectorOutput,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from pdcluster.engine.parallel import check_tp_size, shard_model
+from pdcluster.engine.precision import Precision
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.scheduler import Scheduler
+from pdcluster.engine.sim.profile import read_folder_profile, sim_cache
+from pdcluster.engine.sim.runner import SimRunner
+from pdcluster.engine.structured_output import GrammarCompiler
+from pdcluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdcluster.engine.tp_worker import (
+    TensorParallelGroup,
+    WorkerLauncher,
+    local_info,
+    start_processes,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.request import Request
+from pdcluster.engine.request import Request
 
 
 class EncoderCacheManager:

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from collections import deque
 
-from connectors.base import ECConnectorBase
-from engine.config import CacheConfig, EngineConfig
-from engine.core import resolve_device
-from engine.model_runner import ModelRunner
-from engine.models.loader import load_model, read_model_info
-from engine.outputs import EngineCoreOutput
-from engine.precision import Precision
-from engine.request import MultiModalFeature, Request
-from engine.sim.profile import read_folder_profile
-from engine.sim.runner import SimRunner
-from engine.structured_output import GrammarCompiler
-from engine.tokenizer import Tokenizer
+from pdcluster.connectors.base import ECConnectorBase
+from pdcluster.engine.config import CacheConfig, EngineConfig
+from pdcluster.engine.core import resolve_device
+from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.engine.models.loader import load_model, read_model_info
+from pdcluster.engine.outputs import EngineCoreOutput
+from pdcluster.engine.precision import Precision
+from pdcluster.engine.request import MultiModalFeature, Request
+from pdcluster.engine.sim.profile import read_folder_profile
+from pdcluster.engine.sim.runner import SimRunner
+from pdcluster.engine.structured_output import GrammarCompiler
+from pdcluster.engine.tokenizer import Tokenizer
 
 
 class EncoderCore:

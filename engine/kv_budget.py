@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import CacheConfig
+from pdcluster.engine.config import CacheConfig
 
 if TYPE_CHECKING:
-    from engine.models.loader import ModelInfo
+    from pdcluster.engine.models.loader import ModelInfo
 
 GiB = 1024**3
 CGROUP_ROOT = Path("/sys/fs/cgroup")

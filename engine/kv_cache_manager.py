@@ -20,9 +20,9 @@ from __future__ import annotations
 from array import array
 from hashlib import blake2b
 
-from engine.block_pool import BlockPool, KVCacheBlock
-from engine.config import CacheConfig
-from engine.request import Request
+from pdcluster.engine.block_pool import BlockPool, KVCacheBlock
+from pdcluster.engine.config import CacheConfig
+from pdcluster.engine.request import Request
 
 NONE_HASH = 0  # parent hash of an unsalted request's first block
 _SALT_DOMAIN = b"pdcluster.cache_salt\x00"  # a salted root is never a token block's digest

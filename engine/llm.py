@@ -9,14 +9,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from connectors.base import KVConnectorBase
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core import EngineCore
-from engine.outputs import EngineCoreOutput, PromptLogprobs, TopLogprobs
-from engine.presets import resolve_model_dir
-from engine.processor import InputProcessor, PromptType
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdcluster.connectors.base import KVConnectorBase
+from pdcluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcluster.engine.core import EngineCore
+from pdcluster.engine.outputs import EngineCoreOutput, PromptLogprobs, TopLogprobs
+from pdcluster.engine.presets import resolve_model_dir
+from pdcluster.engine.processor import InputProcessor, PromptType
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -11,27 +11,27 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from engine.attention import AttentionMetadata, allocate_kv_cache
-from engine.config import CacheConfig
-from engine.kernels import cpu_kernels
-from engine.models.decode_kernel import attach_decode_kernels
-from engine.models.loader import ModelInfo
-from engine.models.tiered_linear import prepare_linears
-from engine.outputs import (
+from pdcluster.engine.attention import AttentionMetadata, allocate_kv_cache
+from pdcluster.engine.config import CacheConfig
+from pdcluster.engine.kernels import cpu_kernels
+from pdcluster.engine.models.decode_kernel import attach_decode_kernels
+from pdcluster.engine.models.loader import ModelInfo
+from pdcluster.engine.models.tiered_linear import prepare_linears
+from pdcluster.engine.outputs import (
     NewRequestData,
     PromptLogprobs,
     RunnerOutput,
     SchedulerOutput,
     TopLogprobs,
 )
-from engine.penalties import LogitBias, LogitsAdjustments, TokenCounts
-from engine.precision import Precision
-from engine.request import MultiModalFeature
-from engine.sampler import make_generator, position_seed, prompt_logprobs, sample
-from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarCompiler, advance
-from engine.token_masks import TokenMasks
-from engine.tp_worker import StepInputs, TensorParallelGroup
+from pdcluster.engine.penalties import LogitBias, LogitsAdjustments, TokenCounts
+from pdcluster.engine.precision import Precision
+from pdcluster.engine.request import MultiModalFeature
+from pdcluster.engine.sampler import make_generator, position_seed, prompt_logprobs, sample
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.structured_output import GrammarCompiler, advance
+from pdcluster.engine.token_masks import TokenMasks
+from pdcluster.engine.tp_worker import StepInputs, TensorParallelGroup
 
 
 @dataclass

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from engine.request import MultiModalFeature
+from pdcluster.engine.request import MultiModalFeature
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_IMAGE_PIXELS = 4096 * 4096

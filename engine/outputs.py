@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.request import MultiModalFeature
-from engine.sampling_params import SamplingParams
+from pdcluster.engine.request import MultiModalFeature
+from pdcluster.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

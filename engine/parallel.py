@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.llama import DecoderAttention, LlamaForCausalLM
-from engine.models.mlp import GatedMLP
+from pdcluster.engine.models.llama import DecoderAttention, LlamaForCausalLM
+from pdcluster.engine.models.mlp import GatedMLP
 
 CONNECT_TIMEOUT = timedelta(seconds=300)  # every rank has joined the group within this
 # A worker waits for the next step for as long as its instance is idle.

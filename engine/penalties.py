@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.token_masks import TokenMasks, apply_token_masks
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.token_masks import TokenMasks, apply_token_masks
 
 
 @dataclass

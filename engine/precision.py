@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import Quantization
-from engine.models.packed_linear import native_bf16
+from pdcluster.engine.config import Quantization
+from pdcluster.engine.models.packed_linear import native_bf16
 
 logger = logging.getLogger(__name__)
 

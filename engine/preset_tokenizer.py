@@ -17,7 +17,7 @@ from tokenizers import (
 )
 
 if TYPE_CHECKING:
-    from engine.presets import Preset
+    from pdcluster.engine.presets import Preset
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<image>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, IMAGE_TOKEN_ID, IM_START_ID, IM_END_ID = range(6)

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.models import gguf
-from engine.preset_tokenizer import (
+from pdcluster.engine.models import gguf
+from pdcluster.engine.preset_tokenizer import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     IM_END_ID,
@@ -37,7 +37,7 @@ from engine.preset_tokenizer import (
     build_tokenizer,
     chat_template,
 )
-from engine.sim import profile as sim
+from pdcluster.engine.sim import profile as sim
 
 PRESET_VERSION = 1  # bump when any preset's bytes change; part of the cache folder name
 GGUF_FOLDER_VERSION = 1  # bump when the files derived from a GGUF change; part of its cache key

@@ -10,11 +10,16 @@ from typing import Any
 import torch
 from PIL import Image
 
-from engine.models.loader import ModelInfo
-from engine.multimodal import ImageProcessor, expand_image_placeholders, load_image, mm_hash
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from pdcluster.engine.models.loader import ModelInfo
+from pdcluster.engine.multimodal import (
+    ImageProcessor,
+    expand_image_placeholders,
+    load_image,
+    mm_hash,
+)
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.tokenizer import Tokenizer
 
 # A prompt: text, token ids, or {"prompt" | "prompt_token_ids": ..., "multi_modal_data":
 # {"image": <PIL image | encoded bytes | list of them>}}.

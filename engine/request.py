@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from pdcluster.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.outputs import PromptLogprobs
+    from pdcluster.engine.outputs import PromptLogprobs
 
 
 class RequestStatus(enum.IntEnum):

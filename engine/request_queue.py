@@ -13,8 +13,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from engine.config import SchedulingPolicy
-from engine.request import Request
+from pdcluster.engine.config import SchedulingPolicy
+from pdcluster.engine.request import Request
 
 
 def priority_key(request: Request) -> tuple[int, float]:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.outputs import PromptLogprobs, TopLogprobs
-from engine.penalties import LogitsAdjustments, adjust_logits
-from engine.sampling_params import SamplingParams
+from pdcluster.engine.outputs import PromptLogprobs, TopLogprobs
+from pdcluster.engine.penalties import LogitsAdjustments, adjust_logits
+from pdcluster.engine.sampling_params import SamplingParams
 
 
 @dataclass

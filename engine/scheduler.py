@@ -34,21 +34,21 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from connectors.base import ECConnectorBase, KVConnectorBase
-from engine.config import CacheConfig, SchedulerConfig
-from engine.encoder_cache_manager import EncoderCacheManager
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import (
+from pdcluster.connectors.base import ECConnectorBase, KVConnectorBase
+from pdcluster.engine.config import CacheConfig, SchedulerConfig
+from pdcluster.engine.encoder_cache_manager import EncoderCacheManager
+from pdcluster.engine.kv_cache_manager import KVCacheManager
+from pdcluster.engine.outputs import (
     EngineCoreOutput,
     NewRequestData,
     RunnerOutput,
     SchedulerOutput,
     TopLogprobs,
 )
-from engine.request import Request, RequestStatus
-from engine.request_queue import RequestQueue, create_request_queue, priority_key
-from engine.scheduler_kv import RemoteKV
-from engine.scheduler_step import (
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.request_queue import RequestQueue, create_request_queue, priority_key
+from pdcluster.engine.scheduler_kv import RemoteKV
+from pdcluster.engine.scheduler_step import (
     SCHEDULED,
     SKIP,
     STOP,

@@ -4,9 +4,9 @@ and the connector's events (sent, landed, failed) that end the wait. A part of `
 
 from __future__ import annotations
 
-from engine.outputs import EngineCoreOutput, KVConnectorOutput, SchedulerOutput
-from engine.request import Request, RequestStatus
-from engine.scheduler_step import SKIP, STOP
+from pdcluster.engine.outputs import EngineCoreOutput, KVConnectorOutput, SchedulerOutput
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.scheduler_step import SKIP, STOP
 
 
 class RemoteKV:

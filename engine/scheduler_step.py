@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from connectors.base import ECConnectorBase
-from engine.config import SchedulerConfig
-from engine.encoder_cache_manager import EncoderCacheManager
-from engine.outputs import CachedRequestData, NewRequestData, PromptLogprobs
-from engine.request import Request, RequestStatus
+from pdcluster.connectors.base import ECConnectorBase
+from pdcluster.engine.config import SchedulerConfig
+from pdcluster.engine.encoder_cache_manager import EncoderCacheManager
+from pdcluster.engine.outputs import CachedRequestData, NewRequestData, PromptLogprobs
+from pdcluster.engine.request import Request, RequestStatus
 
 SCHEDULED, SKIP, STOP = 0, 1, 2  # outcome of trying one waiting request
 EncoderPlan = tuple[list[int], list[int]]  # (feature indices to encode, indices to load)

@@ -16,8 +16,8 @@ from functools import cached_property
 import llguidance
 import torch
 
-from engine.sampling_params import StructuredOutputsParams
-from engine.tokenizer import Tokenizer
+from pdcluster.engine.sampling_params import StructuredOutputsParams
+from pdcluster.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from typing import Protocol
 
 import torch
 
-from engine.attention import AttentionMetadata, allocate_kv_cache
-from engine.config import CacheConfig
-from engine.models.loader import ModelInfo, load_model
-from engine.models.tiered_linear import prepare_linears
-from engine.parallel import (
+from pdcluster.engine.attention import AttentionMetadata, allocate_kv_cache
+from pdcluster.engine.config import CacheConfig
+from pdcluster.engine.models.loader import ModelInfo, load_model
+from pdcluster.engine.models.tiered_linear import prepare_linears
+from pdcluster.engine.parallel import (
     Comm,
     LogitsRows,
     gather_kv_heads,
@@ -28,7 +28,7 @@ from engine.parallel import (
     own_kv_heads,
     shard_model,
 )
-from engine.precision import Precision
+from pdcluster.engine.precision import Precision
 
 STOP_TIMEOUT_S = 30.0  # a worker told to stop has exited within this
 

@@ -12,6 +12,7 @@ neither torch nor Ray.
 from __future__ import annotations
 
 import importlib
+import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -20,13 +21,22 @@ try:
 except PackageNotFoundError:  # a source tree on PYTHONPATH, never installed
     __version__ = "0+unknown"
 
+# Installed, the subpackages (pdcluster.engine, pdcluster.cluster, ...) sit inside this folder.
+# In a source checkout that is not installed (`ray job submit --working-dir .`) they are the
+# repository's top-level folders beside it.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not os.path.isdir(os.path.join(__path__[0], "engine")) and os.path.isfile(
+    os.path.join(_CHECKOUT, "engine", "__init__.py")
+):
+    __path__.append(_CHECKOUT)
+
 # public name -> module that defines it
 _EXPORTS = {
-    "Cluster": "cluster.control.launch",
-    "ClusterConfig": "cluster.config",
+    "Cluster": "pdcluster.cluster.control.launch",
+    "ClusterConfig": "pdcluster.cluster.config",
     "LLM": "engine",
     "SamplingParams": "engine",
-    "launch": "cluster.control.launch",
+    "launch": "pdcluster.cluster.control.launch",
 }
 
 __all__ = ["__version__", *_EXPORTS]

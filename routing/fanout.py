@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.request import Request
+from pdcluster.engine.request import Request
 
 
 def fan_out(request: Request, num_seqs: int) -> list[Request]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampling_params import SamplingParams
 
 
 def max_new_tokens(request: Request, max_model_len: int) -> int:

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import hash_block_tokens, root_hash
+from pdcluster.engine.kv_cache_manager import hash_block_tokens, root_hash
 
 ROLE_ENCODER, ROLE_PREFILL, ROLE_DECODE, ROLE_MIXED = "encoder", "prefill", "decode", "mixed"
 DEFAULT_MIGRATION_LIMIT = 3  # moves of one request to other instances after losing its own

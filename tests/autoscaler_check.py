@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.targets import keep_current_cluster_record
+from pdcluster.benchmarks.targets import keep_current_cluster_record
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only local cluster
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -171,8 +171,8 @@ def connect(address: str) -> float:
 
 def serve(model_dir: str) -> dict[str, Any]:
     """Serve on 1P1D, scale decode to 2 (a node is added) and back to 1 (it idles out)."""
-    from cluster.config import ClusterConfig
-    from cluster.control.launch import launch
+    from pdcluster.cluster.config import ClusterConfig
+    from pdcluster.cluster.control.launch import launch
     from tests.cluster_utils import GREEDY, SMALL_ENGINE
 
     roles = {

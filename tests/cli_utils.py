@@ -18,7 +18,7 @@ STOP_TIMEOUT_S = 60.0
 
 
 def serve_command(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "cluster.cli", "serve", *flags]
+    return [sys.executable, "-m", "pdcluster.cluster.cli", "serve", *flags]
 
 
 def serve_env(home: Path, **env: str) -> dict[str, str]:

@@ -13,13 +13,13 @@ import numpy as np
 import ray
 from PIL import Image
 
-from actors.front import pull_object_ids
-from actors.kv_pool import kv_pool_actor_name
-from cluster.config import ClusterConfig
-from cluster.control.launch import Cluster, launch
-from engine import SamplingParams
-from engine.llm import RequestOutput, merge_output, new_request_output
-from engine.request import Request
+from pdcluster.actors.front import pull_object_ids
+from pdcluster.actors.kv_pool import kv_pool_actor_name
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.cluster.control.launch import Cluster, launch
+from pdcluster.engine import SamplingParams
+from pdcluster.engine.llm import RequestOutput, merge_output, new_request_output
+from pdcluster.engine.request import Request
 
 _OBJECT_ID = re.compile(r"\b[0-9a-f]{56}\b")
 

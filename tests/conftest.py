@@ -32,7 +32,7 @@ def ray_session():
 @pytest.fixture(scope="session")
 def preset_dir(tmp_path_factory):
     """Factory: the folder of a built-in preset checkpoint, written once per session."""
-    from engine.presets import make_model
+    from pdcluster.engine.presets import make_model
 
     made: dict[str, str] = {}
 
@@ -64,7 +64,7 @@ def tools_model_dir(preset_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """Colocated, in-process greedy outputs: what every topology must reproduce."""
-    from engine import LLM
+    from pdcluster.engine import LLM
     from tests.cluster_utils import GREEDY, SMALL_ENGINE
 
     llm = LLM(model_dir, **SMALL_ENGINE)
@@ -86,7 +86,7 @@ def clean(cluster):
 def base_url(cluster):
     """The module's `cluster` (each gateway test module defines one) served over HTTP on a
     loopback port."""
-    from cluster.replicas import gateway_app
+    from pdcluster.cluster.replicas import gateway_app
     from tests.gateway_utils import running
 
     with running(gateway_app(cluster)) as url:

@@ -50,10 +50,10 @@ def check(model_dir: str, cluster) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from cluster.config import ClusterConfig, GatewaySettings
-    from cluster.control.launch import HEAD_RESOURCE, shutdown_pool
-    from cluster.replicas import replica_node, start_replicas
-    from cluster.serve_app import build_app
+    from pdcluster.cluster.config import ClusterConfig, GatewaySettings
+    from pdcluster.cluster.control.launch import HEAD_RESOURCE, shutdown_pool
+    from pdcluster.cluster.replicas import replica_node, start_replicas
+    from pdcluster.cluster.serve_app import build_app
     from tests.cluster_utils import SMALL_ENGINE, wait_until
     from tests.gateway_utils import free_port
 

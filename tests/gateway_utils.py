@@ -8,8 +8,8 @@ import io
 
 from PIL import Image
 
-from benchmarks.targets import free_port
-from benchmarks.targets import serve_in_thread as running
+from pdcluster.benchmarks.targets import free_port
+from pdcluster.benchmarks.targets import serve_in_thread as running
 
 __all__ = ["data_url", "free_port", "running"]
 

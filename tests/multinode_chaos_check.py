@@ -31,9 +31,9 @@ RESTART_TIMEOUT_S = 120.0
 def check(model_dir: str, ray_cluster) -> dict[str, Any]:
     import ray
 
-    from cluster.config import ClusterConfig
-    from cluster.control.launch import launch
-    from engine import LLM, SamplingParams
+    from pdcluster.cluster.config import ClusterConfig
+    from pdcluster.cluster.control.launch import launch
+    from pdcluster.engine import LLM, SamplingParams
     from tests.cluster_utils import (
         SMALL_ENGINE,
         Load,

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.targets import keep_current_cluster_record
+from pdcluster.benchmarks.targets import keep_current_cluster_record
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only local cluster
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -47,9 +47,9 @@ def start_ray_cluster(workers: list[dict[str, float]]):
 def serve(model_dir: str, cluster) -> dict[str, Any]:
     import ray
 
-    from cluster.config import ClusterConfig
-    from cluster.control.launch import launch
-    from engine import LLM
+    from pdcluster.cluster.config import ClusterConfig
+    from pdcluster.cluster.control.launch import launch
+    from pdcluster.engine import LLM
     from tests.cluster_utils import GREEDY, SMALL_ENGINE, mixed_prompts
 
     ray.init(address=cluster.address, namespace="pdcluster-multinode", log_to_driver=False)

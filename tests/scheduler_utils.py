@@ -6,12 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from connectors.base import ECConnectorBase, KVConnectorBase
-from engine.config import CacheConfig, SchedulerConfig
-from engine.outputs import EngineCoreOutput, KVConnectorOutput, RunnerOutput, SchedulerOutput
-from engine.request import MultiModalFeature, Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from pdcluster.connectors.base import ECConnectorBase, KVConnectorBase
+from pdcluster.engine.config import CacheConfig, SchedulerConfig
+from pdcluster.engine.outputs import (
+    EngineCoreOutput,
+    KVConnectorOutput,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from pdcluster.engine.request import MultiModalFeature, Request
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.scheduler import Scheduler
 
 EOS = 2
 DEFAULT_TOKEN = 7  # what the fake runner samples unless told otherwise

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from engine import LLM
-from engine.models.loader import load_model
-from engine.models.moe import SparseMoeBlock, route
+from pdcluster.engine import LLM
+from pdcluster.engine.models.loader import load_model
+from pdcluster.engine.models.moe import SparseMoeBlock, route
 from tests.arch_checkpoints import CONFIGS, SLIDING_WINDOW, make_checkpoint, random_model
 from tests.test_engine_vs_transformers import GREEDY, NUM_NEW_TOKENS, hf_greedy, random_prompts
 from tests.test_models import ATOL, load, run_step

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import attention
-from engine.attention import (
+from pdcluster.engine import attention
+from pdcluster.engine.attention import (
     AttentionMetadata,
     AttentionOptions,
     DecodeBatch,
@@ -21,7 +21,7 @@ from engine.attention import (
     paged_attention,
     write_kv,
 )
-from engine.kernels import cpu_kernels
+from pdcluster.engine.kernels import cpu_kernels
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 6, 2, 8, 64
 
@@ -184,8 +184,8 @@ def test_rope_and_cache_kernel_is_bitwise_the_unfused_ops(kernels):
 
 GENERATE = """
 import json, sys
-from engine import LLM, SamplingParams
-from engine.kernels import cpu_kernels
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.kernels import cpu_kernels
 llm = LLM(sys.argv[1], num_blocks=64)
 params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 outputs = llm.generate(["hello world", "one two three four five six"], params)

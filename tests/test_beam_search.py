@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cluster.api.beam_search import Beam, BeamSearch, BeamSearchParams, beam_score
-from engine.outputs import TopLogprobs
+from pdcluster.cluster.api.beam_search import Beam, BeamSearch, BeamSearchParams, beam_score
+from pdcluster.engine.outputs import TopLogprobs
 
 EOS = 0
 

@@ -13,11 +13,18 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks import bench, client, report, workload
-from benchmarks.client import PreparedRequest, RequestResult, run_load
-from benchmarks.metrics import Slo, goodput, percentile, search_rates, summarize, vllm_result
-from benchmarks.targets import expand_variants, load_variant
-from benchmarks.workload import (
+from pdcluster.benchmarks import bench, client, report, workload
+from pdcluster.benchmarks.client import PreparedRequest, RequestResult, run_load
+from pdcluster.benchmarks.metrics import (
+    Slo,
+    goodput,
+    percentile,
+    search_rates,
+    summarize,
+    vllm_result,
+)
+from pdcluster.benchmarks.targets import expand_variants, load_variant
+from pdcluster.benchmarks.workload import (
     FIRST_ORDINARY_TOKEN_ID,
     MAX_RANDOM_TOKEN_ID,
     LengthScaling,
@@ -468,7 +475,7 @@ def _check_stages(topo, handoff):
 def test_handoff_ttft_smoke_reports_the_pd_over_prefill_alone_ratio(
     ray_session, preset_dir, tmp_path
 ):
-    from benchmarks import handoff_ttft
+    from pdcluster.benchmarks import handoff_ttft
 
     argv = ["--model", preset_dir("tiny-llama"), "--num-prompts", "2", "--prompt-tokens", "64",
             "--max-tokens", "3", "--token-range", "100,1000", "--out", str(tmp_path)]  # fmt: skip
@@ -485,7 +492,7 @@ def test_handoff_ttft_smoke_reports_the_pd_over_prefill_alone_ratio(
 def test_sessions_smoke_compares_pool_off_and_on_and_reports_the_p_added_mid_run(
     ray_session, preset_dir, tmp_path
 ):
-    from benchmarks import sessions
+    from pdcluster.benchmarks import sessions
 
     argv = ["--model", preset_dir("tiny-llama"), "--prefills", "1", "--decodes", "1",
             "--num-sessions", "3", "--turns", "3", "--system-tokens", "40",

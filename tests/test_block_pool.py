@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.config import CacheConfig
-from engine.encoder_cache_manager import EncoderCacheManager
-from engine.kv_cache_manager import KVCacheManager, hash_block_tokens
+from pdcluster.engine.block_pool import BlockPool
+from pdcluster.engine.config import CacheConfig
+from pdcluster.engine.encoder_cache_manager import EncoderCacheManager
+from pdcluster.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
 from tests.scheduler_utils import image, make_requests
 
 

@@ -10,10 +10,10 @@ import asyncio
 import httpx
 import pytest
 
-from engine import SamplingParams
-from routing.fanout import fan_out
-from routing.handoff import for_decode, for_prefill
-from routing.policy import RouterConfig, RouterPolicy, block_hashes
+from pdcluster.engine import SamplingParams
+from pdcluster.routing.fanout import fan_out
+from pdcluster.routing.handoff import for_decode, for_prefill
+from pdcluster.routing.policy import RouterConfig, RouterPolicy, block_hashes
 from tests.cluster_utils import assert_clean, instance_stats, live_object_ids, start
 from tests.scheduler_utils import (
     assert_idle,

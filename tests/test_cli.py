@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import pdcluster
-from cluster.cli import build_parser, load_serve_config, main
+from pdcluster.cluster.cli import build_parser, load_serve_config, main
 from tests.cli_utils import (
     complete,
     descendants,
@@ -69,8 +69,8 @@ def test_gateway_and_ray_flags_land_in_their_sections():
 
 
 def test_migration_limit_flag_and_yaml_reach_the_router(tmp_path):
-    from cluster.control.launch import _router_config
-    from routing.policy import DEFAULT_MIGRATION_LIMIT
+    from pdcluster.cluster.control.launch import _router_config
+    from pdcluster.routing.policy import DEFAULT_MIGRATION_LIMIT
 
     assert serve_config().router.migration_limit == DEFAULT_MIGRATION_LIMIT == 3
     assert _router_config(serve_config("--migration-limit", "0")).migration_limit == 0
@@ -107,12 +107,12 @@ def test_bad_yaml_names_the_file_and_line(capsys, tmp_path):
 
 
 def test_port_in_use_fails_before_anything_starts(capsys, monkeypatch):
-    import cluster.serve
+    import pdcluster.cluster.serve as serve_module
 
     def launch(*_):
         raise AssertionError("the cluster was started")
 
-    monkeypatch.setattr(cluster.serve, "launch", launch)
+    monkeypatch.setattr(serve_module, "launch", launch)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
@@ -138,9 +138,9 @@ def test_serve_help_shows_examples(capsys):
 
 
 def test_facade_package_exports_the_public_api():
-    from cluster.config import ClusterConfig
-    from cluster.control.launch import launch
-    from engine import LLM, SamplingParams
+    from pdcluster.cluster.config import ClusterConfig
+    from pdcluster.cluster.control.launch import launch
+    from pdcluster.engine import LLM, SamplingParams
 
     assert pdcluster.ClusterConfig is ClusterConfig and pdcluster.launch is launch
     assert pdcluster.LLM is LLM and pdcluster.SamplingParams is SamplingParams

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine import LLM
+from pdcluster.engine import LLM
 from tests.cluster_utils import (
     GREEDY,
     SMALL_ENGINE,

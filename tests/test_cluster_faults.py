@@ -23,7 +23,7 @@ import dataclasses
 import pytest
 import ray
 
-from engine.llm import merge_output, new_request_output
+from pdcluster.engine.llm import merge_output, new_request_output
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,

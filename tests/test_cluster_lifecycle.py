@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from actors.messages import Route
+from pdcluster.actors.messages import Route
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,

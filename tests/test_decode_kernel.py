@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata
-from engine.models import tiered_linear
-from engine.models.decode_kernel import decode_kernel_for
-from engine.models.quantized_linear import (
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.models import tiered_linear
+from pdcluster.engine.models.decode_kernel import decode_kernel_for
+from pdcluster.engine.models.quantized_linear import (
     GROUP_SIZE,
     DotLinear,
     Int4DotLinear,
@@ -22,7 +22,7 @@ from engine.models.quantized_linear import (
     Int8DotLinear,
     Int8Linear,
 )
-from engine.models.tiered_linear import ROW_BUCKETS
+from pdcluster.engine.models.tiered_linear import ROW_BUCKETS
 from tests.arch_checkpoints import make_checkpoint
 from tests.test_quantization import _linear
 

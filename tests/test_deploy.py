@@ -24,8 +24,8 @@ import jsonschema
 import pytest
 import yaml
 
-from cluster.api.metrics import GatewayMetrics
-from cluster.config import ClusterConfig
+from pdcluster.cluster.api.metrics import GatewayMetrics
+from pdcluster.cluster.config import ClusterConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CRD_DIR = REPO.parent / "shared" / "kuberay-crds"
@@ -34,8 +34,8 @@ CONFIG = REPO / "ray_configs" / "kuberay-1e1p1d.yaml"
 LAUNCHER = REPO / "ray_configs" / "cluster-launcher.yaml"
 DASHBOARD = DEPLOY / "grafana-dashboard.json"
 IMAGE_PROJECT_DIR = "/home/ray/pdcluster"  # deploy/Dockerfile's WORKDIR: the repo root in pods
-SERVE_IMPORT_PATH = "cluster.serve_app:build_app"
-JOB_MODULE = "cluster.job"
+SERVE_IMPORT_PATH = "pdcluster.cluster.serve_app:build_app"
+JOB_MODULE = "pdcluster.cluster.job"
 MANIFESTS = {
     "raycluster.yaml": "RayCluster",
     "rayservice.yaml": "RayService",
@@ -380,7 +380,7 @@ def test_rayservice_serve_config_matches_serves_schema() -> None:
     pytest.importorskip("ray.serve.schema")
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.serve_app import GATEWAY_DEPLOYMENT
+    from pdcluster.cluster.serve_app import GATEWAY_DEPLOYMENT
 
     serve_config = yaml.safe_load(manifest("rayservice.yaml")["spec"]["serveConfigV2"])
     (app,) = ServeDeploySchema.model_validate(serve_config).applications

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import ray
 
-from cluster.control.launch import launch
+from pdcluster.cluster.control.launch import launch
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,
@@ -159,8 +159,8 @@ def test_the_pool_survives_restarts_of_its_controller_and_gateway(ray_session, m
 def test_scale_through_the_api_the_gateway_and_the_cli(ray_session, model_dir, capsys):
     import httpx
 
-    from cluster.cli import main
-    from cluster.replicas import gateway_app
+    from pdcluster.cluster.cli import main
+    from pdcluster.cluster.replicas import gateway_app
     from tests.gateway_utils import running
 
     key = "sekret"

@@ -9,18 +9,18 @@ from argparse import Namespace
 import numpy as np
 import pytest
 
-from benchmarks import elastic, elastic_report, rate_profile
-from benchmarks.client import RequestResult
-from benchmarks.elastic import InstanceSample, role_counts
-from benchmarks.elastic_report import (
+from pdcluster.benchmarks import elastic, elastic_report, rate_profile
+from pdcluster.benchmarks.client import RequestResult
+from pdcluster.benchmarks.elastic import InstanceSample, role_counts
+from pdcluster.benchmarks.elastic_report import (
     comparison_rows,
     goal,
     instance_seconds,
     oracle_instance_seconds,
     step_attainment,
 )
-from benchmarks.metrics import Slo
-from benchmarks.rate_profile import (
+from pdcluster.benchmarks.metrics import Slo
+from pdcluster.benchmarks.rate_profile import (
     RateStep,
     parse_rate_steps,
     poisson_arrivals,
@@ -28,8 +28,8 @@ from benchmarks.rate_profile import (
     stepped_workload,
     trace_rate_steps,
 )
-from benchmarks.workload import LengthScaling, RequestSpec, trace_workload
-from cluster.cli import main as cli_main
+from pdcluster.benchmarks.workload import LengthScaling, RequestSpec, trace_workload
+from pdcluster.cluster.cli import main as cli_main
 from tests.test_bench import TRACE
 
 

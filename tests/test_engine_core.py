@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdcluster.engine import LLM, SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 

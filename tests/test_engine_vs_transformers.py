@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine import LLM, SamplingParams, presets
+from pdcluster.engine import LLM, SamplingParams, presets
 
 transformers = pytest.importorskip("transformers")
 

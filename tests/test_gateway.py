@@ -8,9 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.api.app import create_app
-from cluster.config import GatewaySettings
-from engine import LLM, SamplingParams
+from pdcluster.cluster.api.app import create_app
+from pdcluster.cluster.config import GatewaySettings
+from pdcluster.engine import LLM, SamplingParams
 from tests.cluster_utils import SMALL_ENGINE, assert_clean, live_object_ids, random_image, start
 from tests.gateway_utils import data_url, running
 
@@ -434,8 +434,8 @@ CHATML = (
 
 
 def test_chat_template_content_format_is_detected():
-    from engine.preset_tokenizer import chat_template
-    from engine.tokenizer import chat_template_takes_content_parts
+    from pdcluster.engine.preset_tokenizer import chat_template
+    from pdcluster.engine.tokenizer import chat_template_takes_content_parts
 
     assert not chat_template_takes_content_parts(CHATML)
     assert chat_template_takes_content_parts(chat_template(allow_images=True, add_bos=True))
@@ -450,7 +450,7 @@ def gateway_with_template(cluster, model_dir, tmp_path_factory):
     import shutil
     from contextlib import ExitStack
 
-    from engine.tokenizer import Tokenizer
+    from pdcluster.engine.tokenizer import Tokenizer
 
     class WithTokenizer:  # the cluster, seen through another chat template
         def __init__(self, tokenizer: Tokenizer) -> None:

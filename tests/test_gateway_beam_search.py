@@ -7,7 +7,7 @@ import httpx
 import pytest
 import torch
 
-from cluster.api.beam_search import MAX_BEAM_WIDTH
+from pdcluster.cluster.api.beam_search import MAX_BEAM_WIDTH
 from tests.cluster_utils import assert_clean, live_object_ids, start
 
 transformers = pytest.importorskip("transformers")

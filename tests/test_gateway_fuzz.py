@@ -21,9 +21,9 @@ import httpx
 import pytest
 from PIL import Image
 
-from cluster.api.app import create_app
-from cluster.config import GatewaySettings
-from cluster.replicas import gateway_app
+from pdcluster.cluster.api.app import create_app
+from pdcluster.cluster.config import GatewaySettings
+from pdcluster.cluster.replicas import gateway_app
 from tests.cluster_utils import assert_clean, live_object_ids, random_image, start
 from tests.gateway_utils import data_url, running
 
@@ -461,7 +461,7 @@ def test_bad_chat_structure(http, body, needle):
 def test_unknown_fields_are_accepted_and_logged(http, caplog, body, field):
     """As vLLM: a field no model declares, at any depth, is ignored, and the gateway's
     warning for the request names it."""
-    caplog.set_level(logging.WARNING, logger="cluster.api.serving")
+    caplog.set_level(logging.WARNING, logger="pdcluster.cluster.api.serving")
     response = post(http, COMPLETIONS if "prompt" in body else CHAT, body)
     assert response.status_code == 200, response.text[:1000]
     assert any(

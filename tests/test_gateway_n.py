@@ -8,7 +8,7 @@ from collections import defaultdict
 import httpx
 import pytest
 
-from cluster.api.protocol import MAX_N
+from pdcluster.cluster.api.protocol import MAX_N
 from tests.cluster_utils import assert_clean, live_object_ids, random_image, start
 from tests.gateway_utils import data_url
 

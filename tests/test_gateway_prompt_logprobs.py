@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
+from pdcluster.engine import LLM, SamplingParams
 from tests.cluster_utils import SMALL_ENGINE, assert_clean, live_object_ids, start
 
 openai = pytest.importorskip("openai")

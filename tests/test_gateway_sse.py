@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse
+from pdcluster.cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse
 
 BASE = {"id": 'cmpl-é"\\x', "object": "text_completion", "created": 17, "model": "m/☃"}
 

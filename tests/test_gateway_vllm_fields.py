@@ -11,7 +11,7 @@ import re
 import httpx
 import pytest
 
-from cluster.api.tools import ToolCallParser
+from pdcluster.cluster.api.tools import ToolCallParser
 from tests.cluster_utils import assert_clean, live_object_ids, start
 
 openai = pytest.importorskip("openai")
@@ -213,7 +213,7 @@ def test_continue_final_message(client, tokenizer):
 
 
 def test_request_id_and_header_name_the_response_and_log_lines(base_url, caplog):
-    caplog.set_level(logging.INFO, logger="cluster.api.serving")
+    caplog.set_level(logging.INFO, logger="pdcluster.cluster.api.serving")
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "request_id": "my-req-1"}
     response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
     assert response.json()["id"] == "cmpl-my-req-1"
@@ -228,7 +228,7 @@ def test_request_id_and_header_name_the_response_and_log_lines(base_url, caplog)
 
 
 def test_no_op_and_unknown_fields_are_accepted_and_logged_once(base_url, caplog):
-    caplog.set_level(logging.WARNING, logger="cluster.api.serving")
+    caplog.set_level(logging.WARNING, logger="pdcluster.cluster.api.serving")
     body = {
         "model": MODEL, "messages": [{"role": "user", "content": "x", "mood": "calm"}],
         "max_tokens": 1, "store": True, "metadata": {"a": "b"}, "service_tier": "auto",

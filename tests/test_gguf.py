@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import LLM, SamplingParams
-from engine.models.loader import load_model
-from engine.presets import PRESETS, gguf_model_dir, packaged_model_file, resolve_model_dir
-from engine.tokenizer import Tokenizer
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.models.loader import load_model
+from pdcluster.engine.presets import PRESETS, gguf_model_dir, packaged_model_file, resolve_model_dir
+from pdcluster.engine.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.models import gguf as our_gguf
-from engine.models.loader import load_model
+from pdcluster.engine.models import gguf as our_gguf
+from pdcluster.engine.models.loader import load_model
 from tests.arch_checkpoints import make_checkpoint
 from tests.test_gguf import _add_tokenizer, _llama_cpp_permute
 

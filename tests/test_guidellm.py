@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.targets import free_port
-from engine.presets import resolve_model_dir
+from pdcluster.benchmarks.targets import free_port
+from pdcluster.engine.presets import resolve_model_dir
 from tests.cli_utils import serve_command, serve_env, stop_serve, wait_until_serving
 
 MODEL = "preset:tiny-llama"

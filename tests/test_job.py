@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from cluster import job
-from engine import LLM, SamplingParams
+from pdcluster.cluster import job
+from pdcluster.engine import LLM, SamplingParams
 from tests.cluster_utils import SMALL_ENGINE, random_image
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -204,7 +204,7 @@ def test_job_matches_engine_resumes_and_reports_bad_lines(
     def no_launch(config):
         raise AssertionError("nothing left to do: no cluster should start")
 
-    monkeypatch.setattr("cluster.control.launch.launch", no_launch)
+    monkeypatch.setattr("pdcluster.cluster.control.launch.launch", no_launch)
     assert job.main(args) == 0
     assert read_results(out) == results
 
@@ -274,7 +274,7 @@ def test_ray_job_submit_end_to_end(preset_dir, tmp_path):
     )
     try:
         wait_for_dashboard(dashboard, head)
-        entrypoint = [sys.executable, "-m", "cluster.job", "--config", str(config)]
+        entrypoint = [sys.executable, "-m", "pdcluster.cluster.job", "--config", str(config)]
         entrypoint += ["--input", str(inp), "--output", str(out)]
         entrypoint += ["--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--no-progress"]
         submit = subprocess.run(

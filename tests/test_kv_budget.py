@@ -7,18 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.config import ClusterConfig
-from engine import LLM, SamplingParams
-from engine.attention import allocate_kv_cache
-from engine.config import DEFAULT_NUM_BLOCKS, CacheConfig
-from engine.kv_budget import (
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.attention import allocate_kv_cache
+from pdcluster.engine.config import DEFAULT_NUM_BLOCKS, CacheConfig
+from pdcluster.engine.kv_budget import (
     DeviceMemory,
     device_memory,
     kv_block_bytes,
     module_bytes,
     num_blocks_for_memory,
 )
-from engine.models.loader import read_model_info
+from pdcluster.engine.models.loader import read_model_info
 from tests.test_cli import serve_config
 
 MiB = 1024**2
@@ -68,7 +68,7 @@ def test_a_cache_larger_than_free_memory_is_a_clear_error():
 
 
 def test_cpu_memory_is_capped_by_the_container_limit(tmp_path, monkeypatch):
-    import engine.kv_budget as kv_budget
+    import pdcluster.engine.kv_budget as kv_budget
 
     physical = device_memory(torch.device("cpu"))
     assert 0 < physical.free_bytes <= physical.total_bytes

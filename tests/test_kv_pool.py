@@ -9,11 +9,11 @@ import asyncio
 import pytest
 import ray
 
-from actors.kv_pool import KVPoolActor
-from connectors.kv_pool_index import KVPoolIndex, PoolPublish
-from connectors.ray_kv_pool import RayKVPoolConnector
-from engine import LLM, SamplingParams
-from routing.policy import RouterConfig, RouterPolicy, block_hashes
+from pdcluster.actors.kv_pool import KVPoolActor
+from pdcluster.connectors.kv_pool_index import KVPoolIndex, PoolPublish
+from pdcluster.connectors.ray_kv_pool import RayKVPoolConnector
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.routing.policy import RouterConfig, RouterPolicy, block_hashes
 from tests.cluster_utils import assert_clean, kv_pool_actor, live_object_ids, start, wait_until
 
 BLOCK_SIZE = 4
@@ -315,7 +315,7 @@ def _restarted(cluster, before: dict) -> bool:
 
 
 def test_kv_pool_size_flag_and_default():
-    from cluster.cli import build_parser, load_serve_config
+    from pdcluster.cluster.cli import build_parser, load_serve_config
 
     def serve_config(*flags: str):
         return load_serve_config(build_parser().parse_args(["serve", *flags]))

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
+from pdcluster.engine import LLM, SamplingParams
 from tests.cluster_utils import (
     SMALL_ENGINE,
     assert_clean,

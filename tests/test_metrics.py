@@ -14,8 +14,8 @@ import ray
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.api.metrics import GatewayMetrics, token_buckets
-from engine import SamplingParams
+from pdcluster.cluster.api.metrics import GatewayMetrics, token_buckets
+from pdcluster.engine import SamplingParams
 from tests.cluster_utils import assert_clean, handle, live_object_ids, start, wait_until
 
 MODEL = "metrics-model"

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import pytest
 import ray
 
-from engine import LLM, SamplingParams
-from engine.llm import RequestOutput
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.llm import RequestOutput
 from tests.cluster_utils import (
     Load,
     assert_clean,

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.attention import AttentionMetadata, allocate_kv_cache
-from engine.models.loader import ModelInfo, load_model
+from pdcluster.engine.attention import AttentionMetadata, allocate_kv_cache
+from pdcluster.engine.models.loader import ModelInfo, load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.loader import load_model
-from engine.models.packed_linear import PackedLinear, pack_linears, packing_available
+from pdcluster.engine.models.loader import load_model
+from pdcluster.engine.models.packed_linear import PackedLinear, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch without oneDNN ops")
 CPU = torch.device("cpu")

@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.request import Request
-from routing.fanout import fan_out
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.request import Request
+from pdcluster.routing.fanout import fan_out
 from tests.cluster_utils import (
     SMALL_ENGINE,
     assert_clean,

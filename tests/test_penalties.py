@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.penalties import LogitBias, LogitsAdjustments, TokenCounts, adjust_logits
-from engine.sampler import sample
-from routing.handoff import for_decode, for_prefill
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.penalties import LogitBias, LogitsAdjustments, TokenCounts, adjust_logits
+from pdcluster.engine.sampler import sample
+from pdcluster.routing.handoff import for_decode, for_prefill
 
 VOCAB = 50
 

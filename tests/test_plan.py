@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from benchmarks import plan
-from benchmarks.plan import RatePoint, Split, SplitResult
-from cluster import cli
+from pdcluster.benchmarks import plan
+from pdcluster.benchmarks.plan import RatePoint, Split, SplitResult
+from pdcluster.cluster import cli
 
 
 def test_candidate_splits_are_every_pd_split_then_all_mixed():

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from cluster.config import AutoscaleSettings
-from cluster.control.planner import Decision, Planner, RoleSignals, signals_from_stats
+from pdcluster.cluster.config import AutoscaleSettings
+from pdcluster.cluster.control.planner import Decision, Planner, RoleSignals, signals_from_stats
 
 UP_COOLDOWN_S, DOWN_COOLDOWN_S = 30.0, 120.0
 

@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import presets
-from engine.presets import PRESETS, default_model_dir, make_model, model_config, num_params
+from pdcluster.engine import presets
+from pdcluster.engine.presets import (
+    PRESETS,
+    default_model_dir,
+    make_model,
+    model_config,
+    num_params,
+)
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-llava"]
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -10,11 +10,11 @@ import asyncio
 import httpx
 import pytest
 
-from cluster.cli import build_parser, load_serve_config
-from cluster.config import ClusterConfig
-from engine import SamplingParams
-from engine.request import RequestStatus
-from engine.request_queue import FCFSQueue, PriorityQueue
+from pdcluster.cluster.cli import build_parser, load_serve_config
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.engine import SamplingParams
+from pdcluster.engine.request import RequestStatus
+from pdcluster.engine.request_queue import FCFSQueue, PriorityQueue
 from tests.cluster_utils import SMALL_ENGINE, assert_clean, live_object_ids, start, until
 from tests.scheduler_utils import (
     FakeECConnector,

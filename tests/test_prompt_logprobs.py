@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdcluster.engine import LLM, SamplingParams
 from tests.test_engine_vs_transformers import random_prompts
 
 transformers = pytest.importorskip("transformers")

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch import nn
 
-from cluster.config import ClusterConfig
-from engine import LLM, SamplingParams
-from engine.models import tiered_linear
-from engine.models.packed_linear import PackedLinear
-from engine.models.quantized_linear import (
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.models import tiered_linear
+from pdcluster.engine.models.packed_linear import PackedLinear
+from pdcluster.engine.models.quantized_linear import (
     FORMATS,
     GROUP_SIZE,
     Int4Linear,
@@ -27,8 +27,8 @@ from engine.models.quantized_linear import (
     WeightOnlyLinear,
     formats_of,
 )
-from engine.models.tiered_linear import ROW_BUCKETS, TieredLinear
-from engine.outputs import TopLogprobs
+from pdcluster.engine.models.tiered_linear import ROW_BUCKETS, TieredLinear
+from pdcluster.engine.outputs import TopLogprobs
 
 MODES = [mode for mode, kinds in FORMATS.items() if any(k.available() for k in kinds)]
 pytestmark = pytest.mark.skipif(not MODES, reason="torch without weight-only int8/int4 kernels")

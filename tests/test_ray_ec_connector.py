@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from connectors.ray_ec import RayECConnector
-from engine.request import MultiModalFeature, Request
-from engine.sampling_params import SamplingParams
+from pdcluster.connectors.ray_ec import RayECConnector
+from pdcluster.engine.request import MultiModalFeature, Request
+from pdcluster.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from connectors.ray_kv import RayKVConnector
-from connectors.ray_kv_layout import consecutive_runs, plan_segments
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from pdcluster.connectors.ray_kv import RayKVConnector
+from pdcluster.connectors.ray_kv_layout import consecutive_runs, plan_segments
+from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.sampling_params import SamplingParams
 from tests.cluster_utils import our_objects_in_store, wait_until
 
 BLOCK_SIZE = 4
@@ -245,7 +245,7 @@ def test_load_whose_owner_died_fails_without_ack(ray, caplog):
 
     ack_log = AckLog()
     consumer = make_consumer(ack_log)
-    with caplog.at_level(logging.WARNING, logger="connectors.ray_kv"):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.connectors.ray_kv"):
         outcome, recving, failed = load(consumer, make_request("d1", 7, params), [3, 4])
     assert outcome == "failed" and failed == {"d1"} and not recving
     assert "OwnerDiedError" in caplog.text

@@ -11,8 +11,8 @@ import httpx
 import pytest
 import ray
 
-from cluster.control.launch import launch
-from cluster.replicas import gateway_app, start_replicas
+from pdcluster.cluster.control.launch import launch
+from pdcluster.cluster.replicas import gateway_app, start_replicas
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,

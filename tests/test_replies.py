@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import ray
 
-from actors.replies import Replies
+from pdcluster.actors.replies import Replies
 
 
 class Echo:

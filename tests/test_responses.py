@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import pytest
 
-from cluster.replicas import gateway_app
+from pdcluster.cluster.replicas import gateway_app
 from tests.cluster_utils import assert_clean, live_object_ids, random_image, start
 from tests.gateway_utils import data_url, running
 from tests.test_structured_cluster import WEATHER

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.request import Request
-from routing.handoff import for_decode, for_prefill, resume
+from pdcluster.engine import LLM, SamplingParams, StructuredOutputsParams
+from pdcluster.engine.request import Request
+from pdcluster.routing.handoff import for_decode, for_prefill, resume
 from tests.cluster_utils import SMALL_ENGINE
 
 PROMPT = "Once upon a time, in a land far away"

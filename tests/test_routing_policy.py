@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from routing.policy import Load, Plan, RouterConfig, RouterPolicy, block_hashes
+from pdcluster.routing.policy import Load, Plan, RouterConfig, RouterPolicy, block_hashes
 
 BLOCK = 4  # tokens per block in these tests: prompts stay short
 

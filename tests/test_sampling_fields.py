@@ -8,12 +8,12 @@ import re
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.llm import new_request_output
-from engine.sampler import sample
-from engine.sampling_params import StructuredOutputsParams
-from engine.token_masks import banned_by_bad_words
-from routing.handoff import for_decode, for_prefill
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.llm import new_request_output
+from pdcluster.engine.sampler import sample
+from pdcluster.engine.sampling_params import StructuredOutputsParams
+from pdcluster.engine.token_masks import banned_by_bad_words
+from pdcluster.routing.handoff import for_decode, for_prefill
 from tests.cluster_utils import SMALL_ENGINE
 
 PROMPTS = ["The quick brown fox", "Once upon a time"]

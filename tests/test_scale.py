@@ -14,12 +14,17 @@ import httpx
 import pytest
 import ray
 
-from actors import front
-from benchmarks.workload import PACKAGED_TRACE, LengthScaling, token_prompt, trace_workload
-from cluster.config import ClusterConfig
-from cluster.control.launch import Cluster, launch
-from cluster.replicas import gateway_app, start_replicas
-from engine import LLM, SamplingParams
+from pdcluster.actors import front
+from pdcluster.benchmarks.workload import (
+    PACKAGED_TRACE,
+    LengthScaling,
+    token_prompt,
+    trace_workload,
+)
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.cluster.control.launch import Cluster, launch
+from pdcluster.cluster.replicas import gateway_app, start_replicas
+from pdcluster.engine import LLM, SamplingParams
 from tests.cluster_utils import assert_clean, collect, live_object_ids, until, wait_until
 from tests.gateway_utils import running
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.outputs import KVConnectorOutput, RunnerOutput
-from engine.request import RequestStatus
+from pdcluster.engine.outputs import KVConnectorOutput, RunnerOutput
+from pdcluster.engine.request import RequestStatus
 from tests.scheduler_utils import (
     DEFAULT_TOKEN,
     EOS,

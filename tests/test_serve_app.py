@@ -25,8 +25,8 @@ CONFIG = {
 def test_serve_app_replicas_share_one_pool(ray_session, preset_dir, tmp_path, inline):
     from ray import serve
 
-    from cluster.control.launch import shutdown_pool
-    from cluster.serve_app import build_app
+    from pdcluster.cluster.control.launch import shutdown_pool
+    from pdcluster.cluster.serve_app import build_app
 
     config = {**CONFIG, "model": preset_dir("tiny-llava")}
     path = tmp_path / "serve.yaml"
@@ -54,7 +54,7 @@ def test_serve_app_replicas_share_one_pool(ray_session, preset_dir, tmp_path, in
 
 
 def test_build_app_rejects_unknown_args():
-    from cluster.serve_app import build_app
+    from pdcluster.cluster.serve_app import build_app
 
     with pytest.raises(ValueError, match="unknown build_app args: \\['replicas'\\]"):
         build_app({"replicas": 2})

@@ -12,17 +12,17 @@ import pytest
 import ray
 import torch
 
-from benchmarks import sim_validation
-from cluster.cli import main as cli_main
-from cluster.config import ClusterConfig
-from connectors.ray_kv import RayKVConnector, RayKVConnectorMetadata, RayKVLoad
-from engine import LLM, SamplingParams
-from engine.config import CacheConfig
-from engine.models.loader import read_model_info
-from engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.presets import resolve_model_dir
-from engine.sim import fit as sim_fit
-from engine.sim.profile import (
+from pdcluster.benchmarks import sim_validation
+from pdcluster.cluster.cli import main as cli_main
+from pdcluster.cluster.config import ClusterConfig
+from pdcluster.connectors.ray_kv import RayKVConnector, RayKVConnectorMetadata, RayKVLoad
+from pdcluster.engine import LLM, SamplingParams
+from pdcluster.engine.config import CacheConfig
+from pdcluster.engine.models.loader import read_model_info
+from pdcluster.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pdcluster.engine.presets import resolve_model_dir
+from pdcluster.engine.sim import fit as sim_fit
+from pdcluster.engine.sim.profile import (
     SimProfile,
     StepCoefficients,
     StepShape,
@@ -30,7 +30,7 @@ from engine.sim.profile import (
     builtin_profiles,
     load_profile,
 )
-from engine.sim.runner import SimRunner
+from pdcluster.engine.sim.runner import SimRunner
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,

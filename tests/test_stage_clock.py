@@ -1,10 +1,10 @@
 """Stage times stamped by an instance's step thread (no Ray), and the stage durations the
 benchmark derives from them."""
 
-from actors.messages import RequestTrace, StageTimes
-from actors.stage_clock import StageClock
-from benchmarks.stages import request_stages, summarize_stages
-from engine.outputs import EngineCoreOutput
+from pdcluster.actors.messages import RequestTrace, StageTimes
+from pdcluster.actors.stage_clock import StageClock
+from pdcluster.benchmarks.stages import request_stages, summarize_stages
+from pdcluster.engine.outputs import EngineCoreOutput
 
 
 def test_clock_stamps_each_stage_and_forgets_finished_requests():

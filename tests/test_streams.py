@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from actors.kv_events import KVEventLog
-from actors.streams import Outboxes, reap_orphans
-from engine.outputs import EngineCoreOutput
+from pdcluster.actors.kv_events import KVEventLog
+from pdcluster.actors.streams import Outboxes, reap_orphans
+from pdcluster.engine.outputs import EngineCoreOutput
 
 
 def out(rid: str, token: int, finish: str | None = None) -> EngineCoreOutput:

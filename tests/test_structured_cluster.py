@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from cluster.replicas import gateway_app
+from pdcluster.cluster.replicas import gateway_app
 from tests.cluster_utils import assert_clean, live_object_ids, start
 from tests.gateway_utils import running
 from tests.test_structured_output import PERSON

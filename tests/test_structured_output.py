@@ -10,9 +10,9 @@ import jsonschema
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.sampler import apply_grammar_masks
-from routing.handoff import for_decode, for_prefill
+from pdcluster.engine import LLM, SamplingParams, StructuredOutputsParams
+from pdcluster.engine.sampler import apply_grammar_masks
+from pdcluster.routing.handoff import for_decode, for_prefill
 from tests.cluster_utils import SMALL_ENGINE
 
 # Every value is bounded, so even a random model's constrained output ends well within

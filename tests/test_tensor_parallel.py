@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from pdcluster.engine.llm import LLM
+from pdcluster.engine.sampling_params import SamplingParams
 from tests.arch_checkpoints import make_checkpoint
 
 NUM_TOP = 5  # top logprobs compared per position
@@ -73,8 +73,8 @@ def test_tp_size_that_cannot_split_is_a_clear_error(preset_dir):
 
 
 def test_tp_size_per_role_and_on_serve():
-    from cluster.cli import build_parser, load_serve_config
-    from cluster.config import ClusterConfig
+    from pdcluster.cluster.cli import build_parser, load_serve_config
+    from pdcluster.cluster.config import ClusterConfig
 
     config = ClusterConfig.model_validate(
         {"model": "m", "prefill": {"count": 1, "engine": {"tensor_parallel_size": 2}}}

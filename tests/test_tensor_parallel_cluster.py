@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from engine import LLM
+from pdcluster.engine import LLM
 from tests.cluster_utils import (
     GREEDY,
     SMALL_ENGINE,

@@ -10,11 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models import tiered_linear
-from engine.models.packed_linear import PackedLinear, native_bf16, pack_linears, packing_available
-from engine.models.quantized_linear import Int8Linear, WeightOnlyLinear
-from engine.models.tiered_linear import ROW_BUCKETS, TieredLinear, prepare_linears, tiers
-from engine.precision import Precision
+from pdcluster.engine.models import tiered_linear
+from pdcluster.engine.models.packed_linear import (
+    PackedLinear,
+    native_bf16,
+    pack_linears,
+    packing_available,
+)
+from pdcluster.engine.models.quantized_linear import Int8Linear, WeightOnlyLinear
+from pdcluster.engine.models.tiered_linear import ROW_BUCKETS, TieredLinear, prepare_linears, tiers
+from pdcluster.engine.precision import Precision
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch without oneDNN ops")
 CPU = torch.device("cpu")

@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from engine import presets
-from engine.multimodal import (
+from pdcluster.engine import presets
+from pdcluster.engine.multimodal import (
     ImageProcessor,
     ImageProcessorConfig,
     decode_data_url,
@@ -22,8 +22,8 @@ from engine.multimodal import (
     mm_hash,
     num_image_tokens,
 )
-from engine.presets import make_model
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdcluster.engine.presets import make_model
+from pdcluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello world",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from cluster.api.protocol import ChatCompletionRequest
-from cluster.api.tools import forced_call_schema, parse_tool_calls
-from engine.preset_tokenizer import chat_template
-from engine.tokenizer import chat_template_takes_tools, compile_chat_template
+from pdcluster.cluster.api.protocol import ChatCompletionRequest
+from pdcluster.cluster.api.tools import forced_call_schema, parse_tool_calls
+from pdcluster.engine.preset_tokenizer import chat_template
+from pdcluster.engine.tokenizer import chat_template_takes_tools, compile_chat_template
 
 # ChatML with Hermes-style tools: the tools listed in a system turn, calls as
 # <tool_call>{"name": ..., "arguments": ...}</tool_call>, results in "tool" turns.

@@ -17,24 +17,24 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.api.chat import Chat
-from cluster.api.completions import Completions
-from cluster.api.errors import APIError
-from cluster.api.guard import Guard
-from cluster.api.metrics import GatewayMetrics
-from cluster.api.protocol import (
+from pdcluster import __version__
+from pdcluster.cluster.api.chat import Chat
+from pdcluster.cluster.api.completions import Completions
+from pdcluster.cluster.api.errors import APIError
+from pdcluster.cluster.api.guard import Guard
+from pdcluster.cluster.api.metrics import GatewayMetrics
+from pdcluster.cluster.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ScaleRequest,
     TokenizeRequest,
 )
-from cluster.api.responses import NOT_STORED, Responses
-from cluster.api.responses_protocol import ResponsesRequest
-from cluster.api.serving import ClusterClient, Serving
-from cluster.api.tokens import detokenize, tokenize
-from cluster.config import GatewaySettings
-from pdcluster import __version__
+from pdcluster.cluster.api.responses import NOT_STORED, Responses
+from pdcluster.cluster.api.responses_protocol import ResponsesRequest
+from pdcluster.cluster.api.serving import ClusterClient, Serving
+from pdcluster.cluster.api.tokens import detokenize, tokenize
+from pdcluster.cluster.config import GatewaySettings
 
 CLUSTER_VIEW_TIMEOUT_S = 1.0  # /v1/cluster and /metrics: an instance slower than this is
 # reported unreachable (one restarting would otherwise hold every call for seconds)

@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic_core import PydanticCustomError
 
-from engine.outputs import TopLogprobs
-from engine.sampling_params import MAX_LOGPROBS
+from pdcluster.engine.outputs import TopLogprobs
+from pdcluster.engine.sampling_params import MAX_LOGPROBS
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam asks for 2 x beam_width alternatives
 

@@ -13,14 +13,14 @@ import asyncio
 
 from fastapi import Request as HTTPRequest
 
-from cluster.api.beam_search import BeamSearch, BeamSearchParams
-from cluster.api.errors import APIError
-from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.api.serving import Group, Result, Serving
-from engine.outputs import TopLogprobs
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from routing.handoff import max_new_tokens
+from pdcluster.cluster.api.beam_search import BeamSearch, BeamSearchParams
+from pdcluster.cluster.api.errors import APIError
+from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdcluster.cluster.api.serving import Group, Result, Serving
+from pdcluster.engine.outputs import TopLogprobs
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.routing.handoff import max_new_tokens
 
 
 async def run_to_end(

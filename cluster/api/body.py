@@ -10,7 +10,7 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from cluster.api.errors import APIError
+from pdcluster.cluster.api.errors import APIError
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 # A \uXXXX escape of a UTF-16 surrogate: only through one can an ASCII body hold a lone one.

@@ -13,15 +13,15 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from cluster.api.beam_serving import run_to_end
-from cluster.api.errors import APIError
-from cluster.api.prompt_logprobs import prompt_logprobs_json
-from cluster.api.protocol import ChatCompletionRequest
-from cluster.api.serving import Group, Result, Serving, usage
-from cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse, UsageIn
-from cluster.api.tools import ToolCallParser, forced_call_schema
-from engine.outputs import TopLogprobs
-from engine.sampling_params import StructuredOutputsParams
+from pdcluster.cluster.api.beam_serving import run_to_end
+from pdcluster.cluster.api.errors import APIError
+from pdcluster.cluster.api.prompt_logprobs import prompt_logprobs_json
+from pdcluster.cluster.api.protocol import ChatCompletionRequest
+from pdcluster.cluster.api.serving import Group, Result, Serving, usage
+from pdcluster.cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse, UsageIn
+from pdcluster.cluster.api.tools import ToolCallParser, forced_call_schema
+from pdcluster.engine.outputs import TopLogprobs
+from pdcluster.engine.sampling_params import StructuredOutputsParams
 
 
 class Chat:

@@ -10,17 +10,17 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from cluster.api.beam_serving import run_to_end
-from cluster.api.errors import APIError
-from cluster.api.prompt_logprobs import (
+from pdcluster.cluster.api.beam_serving import run_to_end
+from pdcluster.cluster.api.errors import APIError
+from pdcluster.cluster.api.prompt_logprobs import (
     echoed_entries,
     echoed_params,
     legacy_entries,
     prompt_logprobs_json,
 )
-from cluster.api.protocol import CompletionRequest
-from cluster.api.serving import Group, Result, Serving, best, usage
-from cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse, UsageIn
+from pdcluster.cluster.api.protocol import CompletionRequest
+from pdcluster.cluster.api.serving import Group, Result, Serving, best, usage
+from pdcluster.cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse, UsageIn
 
 
 class Completions:

@@ -11,9 +11,9 @@ from starlette.datastructures import Headers
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cluster.api.body import too_large
-from cluster.api.errors import APIError
-from cluster.config import GatewaySettings
+from pdcluster.cluster.api.body import too_large
+from pdcluster.cluster.api.errors import APIError
+from pdcluster.cluster.config import GatewaySettings
 
 # Behind the API key, with every path under /v1/ (/health, /metrics and the docs stay open).
 KEYED_PATHS = ("/tokenize", "/detokenize", "/version")

@@ -23,8 +23,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from actors import instance_metrics
-from engine.outputs import EngineCoreOutput
+from pdcluster.actors import instance_metrics
+from pdcluster.engine.outputs import EngineCoreOutput
 
 FINE_BUCKETS_S = (0.001, 0.0025, 0.005)
 TTFT_BUCKETS_S = (

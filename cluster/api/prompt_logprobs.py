@@ -8,9 +8,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.api.serving import Serving
-from engine.outputs import PromptLogprobs, TopLogprobs
-from engine.sampling_params import SamplingParams
+from pdcluster.cluster.api.serving import Serving
+from pdcluster.engine.outputs import PromptLogprobs, TopLogprobs
+from pdcluster.engine.sampling_params import SamplingParams
 
 
 def echoed_params(params: SamplingParams, echo: bool, logprobs: int | None) -> SamplingParams:

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from cluster.api.beam_search import check_beam_search
-from cluster.api.messages import (
+from pdcluster.cluster.api.beam_search import check_beam_search
+from pdcluster.cluster.api.messages import (
     ChatMessage,
     ImagePart,
     NamedToolChoice,
@@ -24,7 +24,7 @@ from cluster.api.messages import (
     template_messages,
     unsupported,
 )
-from engine.sampling_params import (
+from pdcluster.engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_PRESENCE_FREQUENCY_PENALTY,

@@ -20,12 +20,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from cluster.api.chat import Chat
-from cluster.api.errors import APIError
-from cluster.api.responses_protocol import ResponsesRequest
-from cluster.api.serving import Group, Result, usage
-from cluster.api.sse import EventStreamResponse, named_event
-from cluster.api.tools import ToolCallParser, parse_tool_calls
+from pdcluster.cluster.api.chat import Chat
+from pdcluster.cluster.api.errors import APIError
+from pdcluster.cluster.api.responses_protocol import ResponsesRequest
+from pdcluster.cluster.api.serving import Group, Result, usage
+from pdcluster.cluster.api.sse import EventStreamResponse, named_event
+from pdcluster.cluster.api.tools import ToolCallParser, parse_tool_calls
 
 logger = logging.getLogger(__name__)
 

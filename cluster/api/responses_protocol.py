@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from cluster.api.messages import (
+from pdcluster.cluster.api.messages import (
     FUNCTION_NAME,
     ChatMessage,
     ContentPart,
@@ -39,7 +39,7 @@ from cluster.api.messages import (
     invalid,
     unsupported,
 )
-from cluster.api.protocol import (
+from pdcluster.cluster.api.protocol import (
     ChatCompletionRequest,
     FiniteFloat,
     JSONObjectFormat,

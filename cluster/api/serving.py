@@ -18,19 +18,23 @@ from urllib.parse import urlparse
 
 from fastapi import Request
 
-from cluster.api.body import BodyT, parse_body
-from cluster.api.errors import RETRY_AFTER_S, APIError
-from cluster.api.metrics import GatewayMetrics
-from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
-from cluster.config import GatewaySettings
-from engine.multimodal import decode_data_url, load_image
-from engine.outputs import EngineCoreOutput, PromptLogprobs, TopLogprobs
-from engine.request import Request as EngineRequest
-from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarCompiler
-from engine.tokenizer import Tokenizer, chat_template_takes_content_parts, chat_template_takes_tools
-from routing.fanout import fan_out
-from routing.handoff import max_new_tokens
+from pdcluster.cluster.api.body import BodyT, parse_body
+from pdcluster.cluster.api.errors import RETRY_AFTER_S, APIError
+from pdcluster.cluster.api.metrics import GatewayMetrics
+from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from pdcluster.cluster.config import GatewaySettings
+from pdcluster.engine.multimodal import decode_data_url, load_image
+from pdcluster.engine.outputs import EngineCoreOutput, PromptLogprobs, TopLogprobs
+from pdcluster.engine.request import Request as EngineRequest
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.structured_output import GrammarCompiler
+from pdcluster.engine.tokenizer import (
+    Tokenizer,
+    chat_template_takes_content_parts,
+    chat_template_takes_tools,
+)
+from pdcluster.routing.fanout import fan_out
+from pdcluster.routing.handoff import max_new_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.api.errors import APIError
-from cluster.api.protocol import DetokenizeRequest, TokenizeRequest
-from cluster.api.serving import Serving
+from pdcluster.cluster.api.errors import APIError
+from pdcluster.cluster.api.protocol import DetokenizeRequest, TokenizeRequest
+from pdcluster.cluster.api.serving import Serving
 
 
 def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:

@@ -23,20 +23,25 @@ from typing import Any
 
 import ray
 
-from actors.front import STATS_TIMEOUT_S, Front
-from actors.kv_pool import kv_pool_actor_name
-from actors.messages import KVEvents
-from cluster.config import ClusterConfig, RaySettings
-from cluster.control.pool import HEAD_RESOURCE, READY_TIMEOUT_S, PlacementTimeout, PoolController
-from engine.llm import RequestOutput, merge_output, new_request_output
-from engine.models.loader import read_model_info
-from engine.outputs import EngineCoreOutput
-from engine.presets import resolve_model_dir
-from engine.processor import InputProcessor, PromptType
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from routing.policy import RouterConfig
+from pdcluster.actors.front import STATS_TIMEOUT_S, Front
+from pdcluster.actors.kv_pool import kv_pool_actor_name
+from pdcluster.actors.messages import KVEvents
+from pdcluster.cluster.config import ClusterConfig, RaySettings
+from pdcluster.cluster.control.pool import (
+    HEAD_RESOURCE,
+    READY_TIMEOUT_S,
+    PlacementTimeout,
+    PoolController,
+)
+from pdcluster.engine.llm import RequestOutput, merge_output, new_request_output
+from pdcluster.engine.models.loader import read_model_info
+from pdcluster.engine.outputs import EngineCoreOutput
+from pdcluster.engine.presets import resolve_model_dir
+from pdcluster.engine.processor import InputProcessor, PromptType
+from pdcluster.engine.request import Request
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.routing.policy import RouterConfig
 
 logger = logging.getLogger(__name__)
 

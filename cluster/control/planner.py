@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.config import AUTOSCALED_ROLES, AutoscaleSettings
+from pdcluster.cluster.config import AUTOSCALED_ROLES, AutoscaleSettings
 
 _LETTERS = {"prefill": "P", "decode": "D"}
 

@@ -27,10 +27,10 @@ from typing import Any
 import ray
 from ray.experimental import internal_kv
 
-from actors.instance import InstanceActor, InstanceSpec
-from actors.kv_pool import KVPoolActor, kv_pool_actor_name, kv_pool_capacity_bytes
-from cluster.config import ROLES, ClusterConfig
-from cluster.control.planner import Planner, signals_from_stats
+from pdcluster.actors.instance import InstanceActor, InstanceSpec
+from pdcluster.actors.kv_pool import KVPoolActor, kv_pool_actor_name, kv_pool_capacity_bytes
+from pdcluster.cluster.config import ROLES, ClusterConfig
+from pdcluster.cluster.control.planner import Planner, signals_from_stats
 
 logger = logging.getLogger(__name__)
 HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource

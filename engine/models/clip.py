@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.mlp import get_act_fn
+from pdcluster.engine.models.mlp import get_act_fn
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ import sys
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.kernels import cpu_kernels
-from engine.models.llama import DecoderLayer, RMSNorm
-from engine.models.mlp import ACT_FNS, GatedMLP
-from engine.models.quantized_linear import Int4DotLinear
-from engine.models.tiered_linear import TieredLinear
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.kernels import cpu_kernels
+from pdcluster.engine.models.llama import DecoderLayer, RMSNorm
+from pdcluster.engine.models.mlp import ACT_FNS, GatedMLP
+from pdcluster.engine.models.quantized_linear import Int4DotLinear
+from pdcluster.engine.models.tiered_linear import TieredLinear
 
 
 class DecodeKernel:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.llama import DecoderAttention
-from engine.models.mlp import GatedMLP
+from pdcluster.engine.models.llama import DecoderAttention
+from pdcluster.engine.models.mlp import GatedMLP
 
 # module type -> (the fused layer's attribute, the siblings it replaces, in output order)
 FUSIBLE: dict[type[nn.Module], tuple[str, tuple[str, ...]]] = {

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.models.llama import (
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.models.llama import (
     DecoderConfig,
     DecoderLayer,
     LlamaForCausalLM,

@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
-from engine.models.mlp import GatedMLP
-from engine.models.moe import MoeConfig, SparseMoeBlock
+from pdcluster.engine.attention import AttentionMetadata, paged_attention
+from pdcluster.engine.models.mlp import GatedMLP
+from pdcluster.engine.models.moe import MoeConfig, SparseMoeBlock
 
 if TYPE_CHECKING:
-    from engine.models.decode_kernel import DecodeKernel
+    from pdcluster.engine.models.decode_kernel import DecodeKernel
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 # Model types whose `sliding_window` applies only with `use_sliding_window`.

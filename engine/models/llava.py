@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.models.clip import ClipVisionTower, VisionConfig
-from engine.models.llama import DecoderConfig, LlamaForCausalLM
-from engine.models.mlp import get_act_fn
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.models.clip import ClipVisionTower, VisionConfig
+from pdcluster.engine.models.llama import DecoderConfig, LlamaForCausalLM
+from pdcluster.engine.models.mlp import get_act_fn
 
 SELECT_STRATEGIES = ("default", "full")
 

@@ -19,10 +19,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.models import gguf
-from engine.models.gemma import GEMMA_MODEL_TYPES, GemmaForCausalLM, gemma_config
-from engine.models.llama import DecoderConfig, LlamaForCausalLM
-from engine.models.llava import LlavaConfig, LlavaForConditionalGeneration
+from pdcluster.engine.models import gguf
+from pdcluster.engine.models.gemma import GEMMA_MODEL_TYPES, GemmaForCausalLM, gemma_config
+from pdcluster.engine.models.llama import DecoderConfig, LlamaForCausalLM
+from pdcluster.engine.models.llava import LlavaConfig, LlavaForConditionalGeneration
 
 TEXT_ARCHITECTURES = {  # architecture -> model_type
     "LlamaForCausalLM": "llama",

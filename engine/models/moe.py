@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.models.mlp import GatedMLP
+from pdcluster.engine.models.mlp import GatedMLP
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu_kernels
+from pdcluster.engine.kernels import cpu_kernels
 
 GROUP_SIZE = 32  # int4: inputs sharing one scale and offset (GGUF's Q4_0/Q4_1 block)
 

@@ -36,9 +36,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from engine.models.fusion import fuse_projections
-from engine.models.packed_linear import PackedLinear, pack_linears, shared_weight_ids
-from engine.models.quantized_linear import formats_of, quantized
+from pdcluster.engine.models.fusion import fuse_projections
+from pdcluster.engine.models.packed_linear import PackedLinear, pack_linears, shared_weight_ids
+from pdcluster.engine.models.quantized_linear import formats_of, quantized
 
 logger = logging.getLogger(__name__)
 

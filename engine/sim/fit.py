@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.sampling_params import SamplingParams
-from engine.sim.profile import (
+from pdcluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcluster.engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.sim.profile import (
     FitReport,
     KVShape,
     SimProfile,
@@ -238,8 +238,8 @@ def profile_model(
 ) -> SimProfile:
     """Load `model` (anything the engine takes), measure `shapes`, fit a profile that keeps
     the model's tokenizer and KV shape. `profile_fields` set the link, EOS rate and so on."""
-    from engine.core import EngineCore  # the real engine, loaded only to be measured
-    from engine.presets import resolve_model_dir
+    from pdcluster.engine.core import EngineCore  # the real engine, loaded only to be measured
+    from pdcluster.engine.presets import resolve_model_dir
 
     longest = max(n + c for s in shapes for n, c in _rows(s)) + repeats
     block_size = 16

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.config import CacheConfig
+from pdcluster.engine.config import CacheConfig
 
 SIM_PREFIX = "sim:"
 SIM_PROFILE_FILE = "sim_profile.json"  # in a checkpoint folder: it is a simulated model

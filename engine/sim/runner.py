@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.config import CacheConfig
-from engine.models.loader import ModelInfo
-from engine.outputs import NewRequestData, RunnerOutput, SchedulerOutput, TopLogprobs
-from engine.request import MultiModalFeature
-from engine.sampling_params import SamplingParams
-from engine.sim.profile import SimProfile, StepShape, StepTimeModel
+from pdcluster.engine.config import CacheConfig
+from pdcluster.engine.models.loader import ModelInfo
+from pdcluster.engine.outputs import NewRequestData, RunnerOutput, SchedulerOutput, TopLogprobs
+from pdcluster.engine.request import MultiModalFeature
+from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.sim.profile import SimProfile, StepShape, StepTimeModel
 
 _MASK = (1 << 64) - 1
 # Sampled tokens get log-probabilities in [ln(1/3), 0): the alternatives then share the
