@@ -34,9 +34,11 @@ setup: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/pdcluster serve $(SERVE_ARGS) --port $(PORT)
 
+# The docs site (mkdocs.yml, docs/) must build with no warning: no broken link, page or anchor.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mkdocs build --strict -q -d .site
 
 # pytest exits 5 when it ran no test; that is a failure here, and says so.
 test: $(STAMP) lint
@@ -53,4 +55,4 @@ bench: $(STAMP)
 	$(PY) -m pdcluster.benchmarks.scheduler_step
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .site
