@@ -3,8 +3,7 @@
 Ray starts every worker process at a low one (its `worker_niceness`, 15), so that the
 raylet and other node processes stay responsive. An instance is the service itself: at nice
 15 its step loop yields the CPU to every normal-priority process of the node (the gateway,
-clients, other tenants) and a served token waits behind them (measured on a 2-core host: a
-one-stream decode step 51-58 ms at nice 15, 44-47 ms at 0; benchmarks/RESULTS.md §18b).
+clients, other tenants) and a served token waits behind them.
 """
 
 from __future__ import annotations

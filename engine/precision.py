@@ -2,10 +2,9 @@
 
 On a GPU the whole model runs in `dtype` ("auto": bfloat16). On a CPU activations, norms,
 attention and the KV cache stay float32 whatever the setting, and `dtype` picks the weights of
-the linear layers: bf16 activations and elementwise ops measured slower there than float32
-ones (a 32-stream SmolLM2 decode step 107 ms all-bf16 vs 86 ms with bf16 weights alone,
-RESULTS §18d). float16 on a CPU is served as bfloat16 (oneDNN packs float16 weights only on
-CPUs with AVX512-FP16), as vLLM's CPU backend does.
+the linear layers: bf16 activations and elementwise ops are slower there than float32 ones,
+and only the linears' weights gain from bf16. float16 on a CPU is served as bfloat16 (oneDNN
+packs float16 weights only on CPUs with AVX512-FP16), as vLLM's CPU backend does.
 
 "auto" on a CPU is float32 without a quantization: the exact mode, which matches transformers
 token for token. With one (already inexact) the linears' float formats are raced at load:

@@ -9,8 +9,8 @@ removes that pass.
 A bfloat16 layer holds its weight in bf16 (half the bytes) and multiplies bf16 copies of its
 float32 inputs, accumulating in float32 inside oneDNN; it takes and gives float32, and adds its
 bias in float32, so the rest of the model (norms, attention, the KV cache) stays float32. On a
-CPU with native bf16 dot products (AVX512-BF16, AMX) it measured 1.6-2x float32's speed from
-one row to prefill chunks (RESULTS §18d); without them it is slower, and only `dtype="bfloat16"`
+CPU with native bf16 dot products (AVX512-BF16, AMX) it is faster than float32 from one row to
+prefill chunks; without them it is slower, and only `dtype="bfloat16"`
 asks for it there.
 
 Both ops are private torch ops: they are used only when they exist, and each packed layer is

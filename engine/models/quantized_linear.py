@@ -14,8 +14,8 @@ dynamic linear does, measured +13% perplexity on SmolLM2; int8 weights, -0.1%):
 - `Int8DotLinear` and `Int4DotLinear`, preferred where the engine's kernels run
   (AVX512-VNNI): the same grids (int4's with float16 scales and offsets, a Q4_1 block's own),
   times activations quantized per group of 32 rather than per row, as llama.cpp does, by
-  integer dot products, in one call with float32 in and out (RESULTS §18e: faster than
-  torch's kernels at one to eight rows, quality as theirs). Whole decoder layers run on
+  integer dot products, in one call with float32 in and out (faster than torch's kernels at
+  one to eight rows, with quality as theirs). Whole decoder layers run on
   `Int4DotLinear` in one call (engine/models/decode_kernel.py).
 
 Those kernels are fast at one to a few rows and slow on many (they dequantize per row block),

@@ -5,7 +5,7 @@ Which format is fastest depends on how many rows a call multiplies and on the CP
 step at a few rows reads every weight once, so fewer bytes win there (int4, int8); a batch of
 32 rows or a prefill chunk is bound by arithmetic, where the weight-only kernels (which
 dequantize per block of rows) lose to oneDNN's packed bf16 or float32 products. Measured on one
-core of an AVX512-BF16 EPYC (µs per call, weights read from memory; RESULTS §18d):
+core of an AVX512-BF16 EPYC (µs per call, weights read from memory), for example:
 
     [960 x 576]  rows:   1     16     32     64
     float32            88    144    241    386
