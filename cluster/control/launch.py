@@ -25,14 +25,10 @@ import ray
 
 from pdcluster.actors.front import STATS_TIMEOUT_S, Front
 from pdcluster.actors.kv_pool import kv_pool_actor_name
-from pdcluster.actors.messages import KVEvents
+from pdcluster.actors.messages import InstanceStats, KVEvents
+from pdcluster.actors.pool_controller import HEAD_RESOURCE, PoolController
 from pdcluster.cluster.config import ClusterConfig, RaySettings
-from pdcluster.cluster.control.pool import (
-    HEAD_RESOURCE,
-    READY_TIMEOUT_S,
-    PlacementTimeout,
-    PoolController,
-)
+from pdcluster.cluster.control.pool import READY_TIMEOUT_S, PlacementTimeout, PoolPlan
 from pdcluster.engine.llm import RequestOutput, merge_output, new_request_output
 from pdcluster.engine.models.loader import read_model_info
 from pdcluster.engine.outputs import EngineCoreOutput
@@ -143,10 +139,10 @@ class Cluster:
             merge_output(result, out)
         return result
 
-    def stats(self) -> list[dict[str, Any]]:
+    def stats(self) -> list[InstanceStats]:
         return self.front.cluster_stats().result()
 
-    async def stats_async(self, timeout_s: float = STATS_TIMEOUT_S) -> list[dict[str, Any]]:
+    async def stats_async(self, timeout_s: float = STATS_TIMEOUT_S) -> list[InstanceStats]:
         """Every instance's stats, waiting at most `timeout_s` for each (see
         `Front.cluster_stats`)."""
         return await asyncio.wrap_future(self.front.cluster_stats(timeout_s))
@@ -180,13 +176,13 @@ class Cluster:
             return None
         return min(s.num_blocks * s.block_size for s in settings)
 
-    def wait_idle(self, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    def wait_idle(self, timeout_s: float = 30.0) -> list[InstanceStats]:
         """Wait until every instance holds nothing (all blocks free, no request, no pending
         transfer); returns the last stats. Raises TimeoutError naming what is still held."""
         deadline = time.monotonic() + timeout_s
         while True:
             stats = self.stats()
-            busy = [s for s in stats if s.get("healthy", True) and not _idle(s)]
+            busy = [s for s in stats if s.healthy and not s.is_idle()]
             if not busy:
                 return stats
             if time.monotonic() > deadline:
@@ -195,7 +191,7 @@ class Cluster:
 
     async def scale(self, role: str, count: int) -> dict[str, str]:
         """Add instances of `role` or drain some away until it has `count` (see
-        cluster/control/pool.py); returns the members. ValueError for a count that cannot be."""
+        actors/pool_controller.py); returns the members. ValueError for a count that cannot be."""
         try:
             return await self.controller.scale.remote(role, count)
         except ray.exceptions.RayTaskError as exc:
@@ -254,23 +250,6 @@ def _answer_or_none(ref: ray.ObjectRef, timeout_s: float = 10.0) -> Any:
         future.cancel()
         return None
     return None if failed else future.result()
-
-
-def _idle(stats: dict[str, Any]) -> bool:
-    held = (
-        "num_running",
-        "num_waiting",
-        "num_deferred",
-        "num_pending_sends",
-        "num_pending_recvs",
-        "kv_pool_pending_loads",
-        "num_streams",
-        "num_encoder_cache_refs",
-        "num_stage_clocks",
-    )
-    return stats.get("num_blocks_free") == stats.get("num_blocks_total") and not any(
-        stats.get(k) for k in held
-    )
 
 
 def _per_prompt(
@@ -372,7 +351,7 @@ def launch(
             max_concurrency=1000, lifetime="detached" if detached else None,
             resources={HEAD_RESOURCE: 0.001},  # never on a worker an autoscaler may remove
         )
-        .remote(name, config.model_dump(), model)
+        .remote(PoolPlan(name, config, model))
     )  # fmt: skip
     try:
         members = _start_pool(controller)

@@ -1,0 +1,26 @@
+"""A pool's membership, held by an actor of its own so that it outlives the pool controller.
+
+One named actor per pool (`<pool>-members`), detached and on the head like the controller:
+a restarted controller reads the membership back from it. It holds no other state and
+answers only the controller, which writes the whole membership after every change; should
+this actor itself restart (empty), the controller's next change writes it again.
+"""
+
+from __future__ import annotations
+
+
+def members_actor_name(pool: str) -> str:
+    return f"{pool}-members"
+
+
+class PoolMembers:
+    """Wrap with `ray.remote(PoolMembers)`: instance id (its actor name) -> role."""
+
+    def __init__(self) -> None:
+        self._members: dict[str, str] = {}
+
+    def get(self) -> dict[str, str]:
+        return dict(self._members)
+
+    def put(self, members: dict[str, str]) -> None:
+        self._members = dict(members)
