@@ -31,7 +31,7 @@ from ray.actor import ActorHandle
 
 from pdcluster.actors.instance_metrics import InstanceMetrics
 from pdcluster.actors.kv_events import KVEventLog
-from pdcluster.actors.messages import LoadReport, PullReply, Route, StageTimes
+from pdcluster.actors.messages import InstanceStats, LoadReport, PullReply, Route, StageTimes
 from pdcluster.actors.pixels import prefetch
 from pdcluster.actors.priority import run_at_normal_priority
 from pdcluster.actors.stage_clock import StageClock
@@ -58,7 +58,6 @@ ROLES = ("encoder", "prefill", "decode", "mixed")
 IDLE_YIELD_S = 0.001  # after a step that ran no model
 INBOX_POLL_S = 0.1  # how often a loop waiting on remote work wakes (to check leases)
 IDLE_WAIT_S = 1.0  # a loop with no work at all waits this long (a command wakes it at once)
-LOAD_KEYS = ("num_unfinished", "prefill_tokens_queued", "kv_tokens_reserved")  # routing's load
 DRAIN_QUIET_S = 1.0  # a draining instance is done once it held nothing for this long
 
 
@@ -140,7 +139,7 @@ class InstanceActor:
         self._mm_hashes: dict[str, list[str]] = {}  # encoder: request id -> its images
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reaper: asyncio.Task | None = None
-        self._stats: dict[str, Any] = {}
+        self._stats = InstanceStats(spec.instance_id, spec.role)
         self._metrics = InstanceMetrics(spec.model_name, spec.instance_id, spec.role)
         self._stopping = False
         self._draining = False
@@ -189,13 +188,13 @@ class InstanceActor:
             wait_s = 0.0
         outputs = await self._streams.pull(consumer_id, wait_s, num_promised)
         self._num_pulls += 1
-        stats = self._stats
+        s = self._stats.scheduler
         load = LoadReport(
-            num_active=stats.get("num_unfinished", 0) + len(self._encodes),
-            queued_prefill_tokens=stats.get("prefill_tokens_queued", 0),
-            kv_tokens=stats.get("kv_tokens_reserved", 0),
-            num_blocks_free=stats.get("num_blocks_free", 0),
-            num_blocks_total=stats.get("num_blocks_total", 0),
+            num_active=s.num_unfinished + len(self._encodes),
+            queued_prefill_tokens=s.prefill_tokens_queued,
+            kv_tokens=s.kv_tokens_reserved,
+            num_blocks_free=s.num_blocks_free,
+            num_blocks_total=s.num_blocks_total,
         )
         events = self._kv_log.since(epoch, events_after)
         accepting = not (self._draining or self._stopping)
@@ -245,9 +244,9 @@ class InstanceActor:
             kv.ack(request_id)
             self._inbox.put(("wake", None))  # an idle loop steps to free the blocks
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> InstanceStats:
         num_streams = len(self._streams) + len(self._encodes)
-        return {**self._stats, "num_streams": num_streams, "num_pulls": self._num_pulls}
+        return dataclasses.replace(self._stats, num_streams=num_streams, num_pulls=self._num_pulls)
 
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stopping
@@ -281,7 +280,7 @@ class InstanceActor:
     def _holds_anything(self) -> bool:
         """Requests here, or promised: planned onto this D by a replica, still on their P."""
         return bool(
-            self._stats.get("num_active", 0)
+            self._stats.num_active
             or len(self._streams)
             or self._encodes
             or self._streams.num_promised()
@@ -476,19 +475,20 @@ class InstanceActor:
     def _publish_stats(self) -> bool:
         """A snapshot read by `stats()` and pulls (the step thread alone touches the
         engine); True when the load that pulls report changed."""
-        stats: dict[str, Any] = {
-            "id": self.spec.instance_id,
-            "role": self.spec.role,
-            "pid": os.getpid(),
-            "node_id": self._node_id,
-            "num_threads": torch.get_num_threads(),
-        }
-        stats.update(self.core.stats())
-        stats["num_active"] = len(self.core.request_ids())
-        stats["num_stage_clocks"] = len(self._clock)  # requests whose stage times are open
-        stats["num_steps"] = self._num_steps
-        stats["paused"] = self._paused.is_set()
+        stats = InstanceStats.from_engine(
+            self.core.stats(),
+            instance_id=self.spec.instance_id,
+            role=self.spec.role,
+            pid=os.getpid(),
+            node_id=self._node_id,
+            num_threads=torch.get_num_threads(),
+            paused=self._paused.is_set(),
+            num_steps=self._num_steps,
+            num_active=len(self.core.request_ids()),
+            num_stage_clocks=len(self._clock),
+        )
         self._stats = stats
-        key = tuple(stats.get(k) for k in LOAD_KEYS)
+        s = stats.scheduler  # routing's load
+        key = (s.num_unfinished, s.prefill_tokens_queued, s.kv_tokens_reserved)
         changed, self._load_key = key != self._load_key, key
         return changed

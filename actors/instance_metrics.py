@@ -16,6 +16,8 @@ from typing import Any
 
 from ray.util import metrics
 
+from pdcluster.actors.messages import InstanceStats
+
 RECORD_INTERVAL_S = 0.5
 TAG_KEYS = ("model_name", "engine", "role")  # engine: the instance id, as vLLM's label
 
@@ -24,38 +26,34 @@ TAG_KEYS = ("model_name", "engine", "role")  # engine: the instance id, as vLLM'
 class Series:
     name: str  # vLLM's name
     help: str
-    value: Callable[[dict[str, Any]], float]  # of one instance's stats
-
-
-def kv_usage(stats: dict[str, Any]) -> float:
-    total = stats.get("num_blocks_total", 0)
-    return 1.0 - stats.get("num_blocks_free", 0) / total if total else 0.0
+    value: Callable[[InstanceStats], float]  # of one instance's stats
 
 
 GAUGES = (
     Series("vllm:num_requests_running", "Requests in the running batch",
-           lambda s: s.get("num_running", 0)),
+           lambda s: s.scheduler.num_running),
     Series("vllm:num_requests_waiting",
            "Requests waiting to be scheduled (deferred ones, on remote KV or encoder "
            "outputs, included)",
-           lambda s: s.get("num_waiting", 0) + s.get("num_deferred", 0)),
-    Series("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all)", kv_usage),
+           lambda s: s.scheduler.num_waiting + s.scheduler.num_deferred),
+    Series("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all)",
+           lambda s: s.scheduler.kv_usage),
 )  # fmt: skip
 # Counters the gateway exports per instance too.
 COUNTERS = (
     Series("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens looked up",
-           lambda s: s.get("prefix_cache_queries", 0)),
+           lambda s: s.scheduler.prefix_cache_queries),
     Series("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens found",
-           lambda s: s.get("prefix_cache_hits", 0)),
+           lambda s: s.scheduler.prefix_cache_hits),
     Series("vllm:num_preemptions", "Preemptions by the scheduler",
-           lambda s: s.get("num_preemptions", 0)),
+           lambda s: s.scheduler.num_preemptions),
 )  # fmt: skip
 # Counters only instances export: the gateway counts tokens per request, once.
 TOKEN_COUNTERS = (
     Series("vllm:prompt_tokens", "Prompt tokens of requests that produced a first token here",
-           lambda s: s.get("num_prompt_tokens", 0)),
+           lambda s: s.scheduler.num_prompt_tokens),
     Series("vllm:generation_tokens", "Tokens generated here",
-           lambda s: s.get("num_generation_tokens", 0)),
+           lambda s: s.scheduler.num_generation_tokens),
 )  # fmt: skip
 
 
@@ -79,7 +77,7 @@ class InstanceMetrics:
     def _make(kind: type, series: Series) -> Any:
         return kind(ray_name(series.name), description=series.help, tag_keys=TAG_KEYS)
 
-    def maybe_record(self, stats: dict[str, Any]) -> None:
+    def maybe_record(self, stats: InstanceStats) -> None:
         """Record `stats` unless the last recording was under RECORD_INTERVAL_S ago."""
         now = time.monotonic()
         if now < self._next_s:

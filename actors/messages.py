@@ -9,8 +9,9 @@ the requests that left it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 from pdcluster.engine.outputs import EngineCoreOutput
 
@@ -31,6 +32,197 @@ class LoadReport:
     kv_tokens: int  # KV tokens the unfinished requests hold or may still need
     num_blocks_free: int
     num_blocks_total: int
+
+
+@dataclass(frozen=True)
+class LatencyHistogram:
+    """Cumulative counts per upper bound (ms), with their sum and count: Prometheus' shape."""
+
+    buckets_ms: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum_ms: float
+    count: int
+
+    @classmethod
+    def from_engine(cls, h: Mapping[str, Any]) -> LatencyHistogram:
+        return cls(tuple(h["buckets_ms"]), tuple(h["counts"]), h["sum_ms"], h["count"])
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The engine's queues, block pool and token counters (an encoder: its queue only)."""
+
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_deferred: int = 0  # waiting on encoder outputs or remote KV
+    num_pending_sends: int = 0  # KV sends awaiting an ack (the KV connector's count)
+    num_pending_recvs: int = 0  # KV loads in flight (the KV connector's count)
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_encoder_cache_refs: int = 0
+    num_unfinished: int = 0
+    prefill_tokens_queued: int = 0  # prompt tokens not yet computed
+    kv_tokens_reserved: int = 0  # KV tokens unfinished requests hold or may still need
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use (0 without blocks)."""
+        total = self.num_blocks_total
+        return 1.0 - self.num_blocks_free / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class KVTransferStats:
+    """The P->D KV connector's counters (zero on an instance without one)."""
+
+    num_sends: int = 0
+    num_loads: int = 0
+    num_failed_loads: int = 0
+    leases_expired: int = 0
+    acks_received: int = 0
+    acks_ignored: int = 0
+    sends_cancelled: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_transfer_ms: float | None = None
+    mean_transfer_ms: float | None = None
+    transfer_ms_histogram: LatencyHistogram | None = None
+    last_publish_ms: float | None = None
+    mean_publish_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class KVPoolUse:
+    """This instance's use of the cluster KV pool (zero on an instance without one)."""
+
+    hits: int = 0  # requests that found further blocks there
+    misses: int = 0
+    hit_tokens: int = 0  # tokens loaded from the pool instead of computed
+    loads: int = 0
+    failed_loads: int = 0
+    publishes: int = 0
+    bytes_published: int = 0
+    bytes_loaded: int = 0
+    pending_loads: int = 0
+    load_ms_histogram: LatencyHistogram | None = None
+    mean_load_ms: float | None = None
+    mean_publish_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class ECStats:
+    """The encoder-output connector's counters on a consumer (P, D or mixed)."""
+
+    pending: int = 0  # requests whose encoder outputs are awaited
+    loaded: int = 0  # encoder outputs loaded from an E
+    fallbacks: int = 0  # encoded here instead
+    bytes_loaded: int = 0
+
+
+@dataclass(frozen=True)
+class SimStats:
+    """A simulated engine's step counters (`model: sim:PROFILE`)."""
+
+    steps: int = 0
+    steps_overrun: int = 0  # steps that took longer than modeled
+    overrun_s: float = 0.0
+    modeled_busy_s: float = 0.0
+    time_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class TensorParallelStats:
+    size: int = 1
+    worker_pids: tuple[int, ...] = ()  # rank 1 first
+    worker_actor_ids: tuple[str, ...] = ()  # Ray workers' actor ids (hex)
+
+
+@dataclass(frozen=True)
+class InstanceStats:
+    """One instance's snapshot (`InstanceActor.stats()`), as the gateway's views, metrics,
+    the planner and `Cluster.stats()` read it. `healthy` and `reachable` are its reader's
+    view: an instance that did not answer is `InstanceStats.unreachable(...)`, all zeros."""
+
+    instance_id: str
+    role: str
+    healthy: bool = True
+    reachable: bool = True
+    pid: int | None = None
+    node_id: str | None = None
+    num_threads: int = 0
+    paused: bool = False
+    num_steps: int = 0
+    num_active: int = 0  # requests the engine holds (finished ones awaiting a free included)
+    num_stage_clocks: int = 0  # requests whose stage times are still open
+    num_streams: int = 0  # open output streams and encode calls
+    num_pulls: int = 0  # pulls answered, for every consumer
+    kv_cache_bytes: int = 0
+    scheduler: SchedulerStats = field(default_factory=SchedulerStats)
+    kv_transfer: KVTransferStats = field(default_factory=KVTransferStats)
+    kv_pool: KVPoolUse = field(default_factory=KVPoolUse)
+    ec: ECStats = field(default_factory=ECStats)
+    tensor_parallel: TensorParallelStats = field(default_factory=TensorParallelStats)
+    sim: SimStats | None = None  # a simulated engine's
+
+    @classmethod
+    def unreachable(cls, instance_id: str, role: str) -> InstanceStats:
+        return cls(instance_id, role, healthy=False, reachable=False)
+
+    @property
+    def num_pending_transfers(self) -> int:
+        """KV sends awaiting an ack plus KV loads in flight."""
+        return self.scheduler.num_pending_sends + self.scheduler.num_pending_recvs
+
+    def is_idle(self) -> bool:
+        """Holds nothing: every block free, no request, stream or transfer."""
+        s = self.scheduler
+        return s.num_blocks_free == s.num_blocks_total and not (
+            s.num_running or s.num_waiting or s.num_deferred or s.num_pending_sends
+            or s.num_pending_recvs or s.num_encoder_cache_refs or self.kv_pool.pending_loads
+            or self.num_streams or self.num_stage_clocks
+        )  # fmt: skip
+
+    @classmethod
+    def from_engine(cls, engine: Mapping[str, Any], **instance: Any) -> InstanceStats:
+        """The snapshot of an instance (`instance`: its own fields) whose engine reported
+        `engine` (`EngineCore.stats()` / `EncoderCore.stats()`, one flat mapping)."""
+        histograms = {
+            k: LatencyHistogram.from_engine(engine[k])
+            for k in ("transfer_ms_histogram", "kv_pool_load_ms_histogram")
+            if k in engine
+        }
+        flat = {**engine, **histograms}
+        tensor_parallel = TensorParallelStats(
+            size=flat.get("tensor_parallel_size", 1),
+            worker_pids=tuple(flat.get("tp_worker_pids", ())),
+            worker_actor_ids=tuple(flat.get("tp_worker_actor_ids", ())),
+        )
+        return cls(
+            **instance,
+            kv_cache_bytes=flat.get("kv_cache_bytes", 0),
+            scheduler=_part(SchedulerStats, flat),
+            kv_transfer=_part(KVTransferStats, flat),
+            kv_pool=_part(KVPoolUse, flat, "kv_pool_"),
+            ec=_part(ECStats, flat, "ec_"),
+            tensor_parallel=tensor_parallel,
+            sim=_part(SimStats, flat, "sim_") if "sim_steps" in flat else None,
+        )
+
+
+_Part = TypeVar("_Part")
+
+
+def _part(cls: type[_Part], flat: Mapping[str, Any], prefix: str = "") -> _Part:
+    """`cls` from the keys of `flat` that name its fields (after `prefix`); the engine's
+    parts report only what they have (an encoder has no blocks, a mixed instance no KV
+    transfer), the rest keeps its default."""
+    names = (f.name for f in fields(cls))  # type: ignore[arg-type]
+    return cls(**{n: flat[prefix + n] for n in names if prefix + n in flat})
 
 
 @dataclass(frozen=True)

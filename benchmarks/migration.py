@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pdcluster.actors.messages import InstanceStats
 from pdcluster.benchmarks.client import PreparedRequest, RequestResult, make_client, stream_one
 from pdcluster.benchmarks.report import save_results
 from pdcluster.benchmarks.targets import embedded_ray, pd_config, serve_in_thread
@@ -84,12 +85,12 @@ async def stream_all(
     return results, killed
 
 
-def kill_busiest(stats: list[dict[str, Any]], namespace: str | None = None) -> str:
+def kill_busiest(stats: list[InstanceStats], namespace: str | None = None) -> str:
     """`ray.kill` (Ray restarts it) the healthy decode instance running the most requests."""
     import ray
 
-    decodes = [s for s in stats if s["role"] == "decode" and s["healthy"]]
-    victim = max(decodes, key=lambda s: s.get("num_running", 0))["id"]
+    decodes = [s for s in stats if s.role == "decode" and s.healthy]
+    victim = max(decodes, key=lambda s: s.scheduler.num_running).instance_id
     ray.kill(ray.get_actor(victim, namespace=namespace), no_restart=False)
     return victim
 

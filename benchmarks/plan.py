@@ -220,8 +220,8 @@ def verdict(
 def sim_step_counts(target: Target) -> tuple[int, int]:
     """(steps, overrun steps) summed over the target's instances so far."""
     stats = target.cluster.stats()
-    return (sum(int(s.get("sim_steps", 0)) for s in stats),
-            sum(int(s.get("sim_steps_overrun", 0)) for s in stats))  # fmt: skip
+    sims = [s.sim for s in stats if s.sim is not None]
+    return sum(s.steps for s in sims), sum(s.steps_overrun for s in sims)
 
 
 def all_blocks_free(target: Target) -> bool:
@@ -230,7 +230,7 @@ def all_blocks_free(target: Target) -> bool:
         stats = target.cluster.wait_idle(IDLE_TIMEOUT_S)
     except TimeoutError:
         return False
-    return all(s.get("num_blocks_free") == s.get("num_blocks_total") for s in stats)
+    return all(s.scheduler.num_blocks_free == s.scheduler.num_blocks_total for s in stats)
 
 
 def _point(run: dict[str, Any], scale: float, steps: int, overrun: int) -> RatePoint:

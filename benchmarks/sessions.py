@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdcluster.actors.messages import InstanceStats
 from pdcluster.benchmarks.metrics import percentile
 from pdcluster.benchmarks.report import loadavg, save_results
 from pdcluster.benchmarks.targets import embedded_ray, pd_config
@@ -208,7 +209,7 @@ def summarize(
     load_start: list[float] | None,
     load_end: list[float] | None,
     pool: dict[str, Any] | None,
-    instances: list[dict[str, Any]],
+    instances: list[InstanceStats],
 ) -> dict[str, Any]:
     first = [t for t in turns if t.index == 0]
     follow = [t for t in turns if t.index > 0]
@@ -220,8 +221,8 @@ def summarize(
         "follow_up_prompt_tokens": sum(t.num_prompt_tokens for t in follow),
         "follow_up_prompt_tokens_computed": _tokens_computed(follow),
         "all_prompt_tokens_computed": _tokens_computed(turns),
-        "kv_pool_hit_tokens": sum(s.get("kv_pool_hit_tokens", 0) for s in instances),
-        "kv_pool_mean_load_ms": _mean_of(instances, "kv_pool_mean_load_ms"),
+        "kv_pool_hit_tokens": sum(s.kv_pool.hit_tokens for s in instances),
+        "kv_pool_mean_load_ms": _mean([s.kv_pool.mean_load_ms for s in instances]),
         "kv_pool": pool,
         "wall_s": round(wall_s, 1),
         "load_avg_start": load_start,
@@ -239,8 +240,8 @@ def _tokens_computed(turns: list[Turn]) -> int:
     return sum(t.num_prompt_tokens - t.num_cached_tokens for t in turns)
 
 
-def _mean_of(instances: list[dict[str, Any]], key: str) -> float | None:
-    values = [s[key] for s in instances if s.get(key) is not None]
+def _mean(figures: list[float | None]) -> float | None:
+    values = [v for v in figures if v is not None]
     return round(sum(values) / len(values), 2) if values else None
 
 

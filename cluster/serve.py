@@ -88,15 +88,15 @@ def _serve_until_interrupted(cluster: Cluster, sock: socket.socket) -> None:
 
 def _log_instances(cluster: Cluster) -> None:
     for stats in cluster.stats():
-        role = stats["role"]
+        role = stats.role
         size = cluster.config.engine_settings(role).block_size
-        blocks = stats.get("num_blocks_total", 0)
+        blocks = stats.scheduler.num_blocks_total
         logger.info(
             "instance %s (%s) ready: KV cache %d blocks x %d tokens = %d tokens, %.3f GiB",
-            stats.get("id"),
+            stats.instance_id,
             role,
             blocks,
             size,
             blocks * size,
-            stats.get("kv_cache_bytes", 0) / GiB,
+            stats.kv_cache_bytes / GiB,
         )

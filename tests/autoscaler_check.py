@@ -191,9 +191,9 @@ def serve(model_dir: str) -> dict[str, Any]:
         outputs = pd.generate(PROMPTS * 3, GREEDY)  # several at once: both D get some
         result["token_ids_scaled"] = [o.token_ids for o in outputs]
         result["decode_stats"] = {
-            s["id"]: {"num_steps": s.get("num_steps"), "node_id": s.get("node_id")}
+            s.instance_id: {"num_steps": s.num_steps, "node_id": s.node_id}
             for s in pd.wait_idle()
-            if s["role"] == "decode"
+            if s.role == "decode"
         }
         result |= scale_down(pd)
         result["decode_nodes"].append(alive_nodes("decode"))

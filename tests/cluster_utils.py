@@ -15,6 +15,7 @@ from PIL import Image
 
 from pdcluster.actors.front import pull_object_ids
 from pdcluster.actors.kv_pool import kv_pool_actor_name
+from pdcluster.actors.messages import InstanceStats
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.control.launch import Cluster, launch
 from pdcluster.engine import SamplingParams
@@ -79,14 +80,14 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
     return predicate()
 
 
-def instance_stats(cluster: Cluster, role: str) -> dict[str, Any]:
+def instance_stats(cluster: Cluster, role: str) -> InstanceStats:
     """Stats of the first instance of `role`."""
-    return next(s for s in cluster.stats() if s["role"] == role)
+    return next(s for s in cluster.stats() if s.role == role)
 
 
-def stats_by_id(cluster: Cluster) -> dict[str, dict[str, Any]]:
+def stats_by_id(cluster: Cluster) -> dict[str, InstanceStats]:
     """Every instance's stats, by instance id."""
-    return {s["id"]: s for s in cluster.stats()}
+    return {s.instance_id: s for s in cluster.stats()}
 
 
 def handle(cluster: Cluster, role: str, index: int = 0):

@@ -65,9 +65,9 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
             streams = load.add(prompts[:NUM_STREAMS])
             assert await load.all_have(streams, 4)
             before = stats_by_id(pd)[victim]
-            assert before["num_running"] > 0, before  # some streams decode on the victim
+            assert before.scheduler.num_running > 0, before  # some streams decode on the victim
             ray.get(pd.instances[victim][1].pause.remote())  # its streams stay mid-decode
-            node = next(n for n in ray_cluster.worker_nodes if n.node_id == before["node_id"])
+            node = next(n for n in ray_cluster.worker_nodes if n.node_id == before.node_id)
             ray_cluster.remove_node(node, allow_graceful=False)
             return await load.done(), before
 
@@ -79,7 +79,7 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
 
         def back() -> bool:
             stats = stats_by_id(pd)[victim]
-            return stats["healthy"] and stats.get("node_id") not in (None, before["node_id"])
+            return stats.healthy and stats.node_id not in (None, before.node_id)
 
         restarted = wait_until(back, RESTART_TIMEOUT_S)
         again = pd.generate(prompts[NUM_STREAMS:], params)
@@ -89,18 +89,20 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
         pool_entries = ray.get(kv_pool_actor(pd).stats.remote())["num_entries"]
     expected = LLM(model_dir, **SMALL_ENGINE).generate(prompts, params)
     return {
-        "victim_running_at_kill": before["num_running"],
+        "victim_running_at_kill": before.scheduler.num_running,
         "num_moves": moved,
         "finish_reasons": [r.finish_reason for r in results + again],
         "errors": [r.outputs[0].error for r in results + again if r.outputs[0].error],
         "token_ids": [r.token_ids for r in results + again],
         "expected_token_ids": [o.token_ids for o in expected],
         "restarted": restarted,
-        "victim_node_before": before["node_id"],
-        "victim_node_after": after.get("node_id"),
-        "victim_loads_after_restart": after.get("num_loads", 0),
+        "victim_node_before": before.node_id,
+        "victim_node_after": after.node_id,
+        "victim_loads_after_restart": after.kv_transfer.num_loads,
         "kv_pool_entries_after": pool_entries,  # the pool outlived the node (on the head)
-        "free_equals_total": all(s["num_blocks_free"] == s["num_blocks_total"] for s in final),
+        "free_equals_total": all(
+            s.scheduler.num_blocks_free == s.scheduler.num_blocks_total for s in final
+        ),
     }
 
 

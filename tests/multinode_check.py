@@ -71,9 +71,12 @@ def serve(model_dir: str, cluster) -> dict[str, Any]:
         "expected_token_ids": [o.token_ids for o in expected],
         "finish_reasons": [o.finish_reason for o in outputs],
         "instances": {
-            s["role"]: {
-                k: s.get(k)
-                for k in ("node_id", "healthy", "num_loads", "bytes_received", "ec_loaded")
+            s.role: {
+                "node_id": s.node_id,
+                "healthy": s.healthy,
+                "num_loads": s.kv_transfer.num_loads,
+                "bytes_received": s.kv_transfer.bytes_received,
+                "ec_loaded": s.ec.loaded,
             }
             for s in stats
         },

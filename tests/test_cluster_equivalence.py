@@ -59,11 +59,11 @@ def test_topology_matches_colocated_and_transformers(ray_session, model_dir, ref
             assert all(o.finish_reason == "length" for o in outputs)
         assert_clean(cluster, baseline)
         stats = cluster.stats()
-    roles = {s["role"] for s in stats}
+    roles = {s.role for s in stats}
     if "prefill" in roles:  # the KV really went P -> D through the object store
-        assert sum(s.get("num_loads", 0) for s in stats if s["role"] == "decode") > 0
+        assert sum(s.kv_transfer.num_loads for s in stats if s.role == "decode") > 0
     if "encoder" in roles:  # and encoder outputs E -> P, with no encoder run on P
-        assert sum(s.get("ec_loaded", 0) for s in stats if s["role"] == "prefill") > 0
+        assert sum(s.ec.loaded for s in stats if s.role == "prefill") > 0
 
 
 def test_penalties_bias_and_top_logprobs_match_colocated(ray_session, model_dir):

@@ -19,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from operator import attrgetter
 
 import pytest
 import ray
 
+from pdcluster.actors.messages import InstanceStats
 from pdcluster.engine.llm import merge_output, new_request_output
 from tests.cluster_utils import (
     GREEDY,
@@ -67,17 +69,18 @@ def mm_prompt(seed: int) -> dict:
     return {"prompt": "Look at <image> now.", "multi_modal_data": {"image": random_image(seed)}}
 
 
-def stats_of(cluster, role: str) -> list[dict]:
-    return [s for s in cluster.stats() if s["role"] == role]
+def stats_of(cluster, role: str) -> list[InstanceStats]:
+    return [s for s in cluster.stats() if s.role == role]
 
 
-def total(cluster, role: str, key: str) -> int:
-    return sum(s.get(key, 0) for s in stats_of(cluster, role))
+def total(cluster, role: str, path: str) -> int:
+    """The sum of one figure (`path` of `InstanceStats`, as `kv_transfer.num_loads`)."""
+    return sum(attrgetter(path)(s) for s in stats_of(cluster, role))
 
 
 def kill(cluster, instance_id: str) -> int:
     """Kill an instance's actor (Ray restarts it); returns the pid it had."""
-    pid = next(s["pid"] for s in cluster.stats() if s["id"] == instance_id)
+    pid = next(s.pid for s in cluster.stats() if s.instance_id == instance_id)
     ray.kill(cluster.instances[instance_id][1], no_restart=False)
     return pid
 
@@ -86,15 +89,15 @@ def wait_restarted(cluster, instance_id: str, old_pid: int) -> None:
     """Until the Front's pull loop sees the restarted instance as healthy again."""
 
     def back() -> bool:
-        s = next(s for s in cluster.stats() if s["id"] == instance_id)
-        return s["healthy"] and s.get("pid") not in (None, old_pid)
+        s = next(s for s in cluster.stats() if s.instance_id == instance_id)
+        return s.healthy and s.pid not in (None, old_pid)
 
     assert wait_until(back, RESTART_TIMEOUT_S), cluster.stats()
 
 
-def instance_with(cluster, role: str, key: str) -> str | None:
-    """The id of the instance of `role` whose stat `key` is non-zero, if any."""
-    return next((s["id"] for s in stats_of(cluster, role) if s.get(key)), None)
+def instance_with(cluster, role: str, path: str) -> str | None:
+    """The id of the instance of `role` whose figure `path` is non-zero, if any."""
+    return next((s.instance_id for s in stats_of(cluster, role) if attrgetter(path)(s)), None)
 
 
 def assert_serves(cluster, reference, prompt) -> None:
@@ -109,15 +112,15 @@ def test_decode_killed_in_transfer(epd, baseline, reference):
     after P's token; the Front's abort frees P's blocks at once."""
     decode_id = next(iid for iid, (role, _) in epd.instances.items() if role == "decode")
     ray.get(handle(epd, "decode").pause.remote())
-    cancelled = total(epd, "prefill", "sends_cancelled")
+    cancelled = total(epd, "prefill", "kv_transfer.sends_cancelled")
     prompt = "Parked on D when it dies"
 
     async def scenario():
         task = asyncio.create_task(collect(epd, epd.make_request(prompt, GREEDY)))
         assert await until(
             lambda: (
-                total(epd, "prefill", "num_pending_sends") == 1
-                and total(epd, "decode", "num_waiting") == 1
+                total(epd, "prefill", "scheduler.num_pending_sends") == 1
+                and total(epd, "decode", "scheduler.num_waiting") == 1
             )
         )
         pid = kill(epd, decode_id)
@@ -128,15 +131,15 @@ def test_decode_killed_in_transfer(epd, baseline, reference):
     assert out.finish_reason == "length"
     assert out.token_ids == reference(prompt).token_ids
     assert epd.front.num_moves == moves + 1
-    assert wait_until(lambda: total(epd, "prefill", "sends_cancelled") == cancelled + 1)
-    assert total(epd, "prefill", "leases_expired") == 0
+    assert wait_until(lambda: total(epd, "prefill", "kv_transfer.sends_cancelled") == cancelled + 1)
+    assert total(epd, "prefill", "kv_transfer.leases_expired") == 0
 
     # Served while D is down (colocated on P) or after its restart: correct either way.
     assert_serves(epd, reference, "Right after D died")
     wait_restarted(epd, decode_id, pid)
-    loads = total(epd, "decode", "num_loads")
+    loads = total(epd, "decode", "kv_transfer.num_loads")
     assert_serves(epd, reference, "Once D is back")
-    assert total(epd, "decode", "num_loads") == loads + 1  # the restarted D decoded it
+    assert total(epd, "decode", "kv_transfer.num_loads") == loads + 1  # the restarted D decoded it
 
 
 def test_decode_killed_while_decoding(epd, baseline, reference):
@@ -170,18 +173,18 @@ def test_prefill_killed_after_handoff_recompute(epd, baseline, reference):
     its owner) and, under kv_load_failure_policy=recompute, D prefills the prompt itself."""
     decode = handle(epd, "decode")
     ray.get(decode.pause.remote())
-    failed = total(epd, "decode", "num_failed_loads")
+    failed = total(epd, "decode", "kv_transfer.num_failed_loads")
     prompt = "The prefill instance dies after the handoff " * 3
 
     async def scenario():
         task = asyncio.create_task(collect(epd, epd.make_request(prompt, GREEDY)))
         assert await until(
             lambda: (
-                instance_with(epd, "prefill", "num_pending_sends") is not None
-                and total(epd, "decode", "num_waiting") == 1
+                instance_with(epd, "prefill", "scheduler.num_pending_sends") is not None
+                and total(epd, "decode", "scheduler.num_waiting") == 1
             )
         )
-        prefill_id = instance_with(epd, "prefill", "num_pending_sends")
+        prefill_id = instance_with(epd, "prefill", "scheduler.num_pending_sends")
         # Once P is back its old objects are surely gone (a read racing the kill may still
         # find them in this node's store: correct too, but not the path under test).
         wait_restarted(epd, prefill_id, kill(epd, prefill_id))
@@ -191,10 +194,10 @@ def test_prefill_killed_after_handoff_recompute(epd, baseline, reference):
     out = asyncio.run(scenario())
     assert out.finish_reason == "length"
     assert out.token_ids == reference(prompt).token_ids
-    assert total(epd, "decode", "num_failed_loads") == failed + 1
-    sends = total(epd, "prefill", "num_sends")
+    assert total(epd, "decode", "kv_transfer.num_failed_loads") == failed + 1
+    sends = total(epd, "prefill", "kv_transfer.num_sends")
     assert_serves(epd, reference, "Once P is back")
-    assert total(epd, "prefill", "num_sends") == sends + 1
+    assert total(epd, "prefill", "kv_transfer.num_sends") == sends + 1
 
 
 @pytest.mark.slow  # its own cluster: ~25 s; the recompute policy's same fault stays in the default run
@@ -214,8 +217,8 @@ def test_prefill_killed_after_handoff_fail(ray_session, model_dir, reference):
             task = asyncio.create_task(collect(cluster, cluster.make_request(prompt, GREEDY)))
             assert await until(
                 lambda: (
-                    total(cluster, "prefill", "num_pending_sends") == 1
-                    and total(cluster, "decode", "num_waiting") == 1
+                    total(cluster, "prefill", "scheduler.num_pending_sends") == 1
+                    and total(cluster, "decode", "scheduler.num_waiting") == 1
                 )
             )
             wait_restarted(cluster, prefill_id, kill(cluster, prefill_id))
@@ -225,11 +228,13 @@ def test_prefill_killed_after_handoff_fail(ray_session, model_dir, reference):
         out = asyncio.run(scenario())
         assert out.finish_reason == "length"
         assert out.token_ids == reference(prompt).token_ids
-        assert total(cluster, "decode", "num_failed_loads") == 1
+        assert total(cluster, "decode", "kv_transfer.num_failed_loads") == 1
         assert cluster.front.num_moves == 1
-        sends = total(cluster, "prefill", "num_sends")
+        sends = total(cluster, "prefill", "kv_transfer.num_sends")
         assert_serves(cluster, reference, "Once P is back")
-        assert total(cluster, "prefill", "num_sends") == sends + 1  # the restarted P served
+        assert (
+            total(cluster, "prefill", "kv_transfer.num_sends") == sends + 1
+        )  # the restarted P served
         assert_clean(cluster, baseline)
 
 
@@ -242,18 +247,20 @@ def test_prefill_killed_while_prefilling(epd, baseline, reference):
 
     async def scenario():
         task = asyncio.create_task(collect(epd, epd.make_request(prompt, GREEDY)))
-        assert await until(lambda: instance_with(epd, "prefill", "num_waiting") is not None)
-        prefill_id = instance_with(epd, "prefill", "num_waiting")
+        assert await until(
+            lambda: instance_with(epd, "prefill", "scheduler.num_waiting") is not None
+        )
+        prefill_id = instance_with(epd, "prefill", "scheduler.num_waiting")
         pid = kill(epd, prefill_id)
         _resume_all(epd)
         return await task, prefill_id, pid
 
-    sends = {s["id"]: s["num_sends"] for s in stats_of(epd, "prefill")}
+    sends = {s.instance_id: s.kv_transfer.num_sends for s in stats_of(epd, "prefill")}
     out, prefill_id, pid = asyncio.run(scenario())
     assert out.finish_reason == "length"
     assert out.token_ids == reference(prompt).token_ids
     survivor = next(i for i in sends if i != prefill_id)
-    after = {s["id"]: s.get("num_sends") for s in stats_of(epd, "prefill")}
+    after = {s.instance_id: s.kv_transfer.num_sends for s in stats_of(epd, "prefill")}
     assert after[survivor] == sends[survivor] + 1  # routed around the dead P
     wait_restarted(epd, prefill_id, pid)
     assert_serves(epd, reference, "Once both P are up")
@@ -264,22 +271,22 @@ def test_encoder_killed_while_encoding(epd, baseline, reference):
     """P never defers forever on a dead E: the EC handle fails and P encodes locally."""
     encoder_id = next(iid for iid, (role, _) in epd.instances.items() if role == "encoder")
     ray.get(handle(epd, "encoder").pause.remote())
-    fallbacks = total(epd, "prefill", "ec_fallbacks")
+    fallbacks = total(epd, "prefill", "ec.fallbacks")
 
     async def scenario():
         task = asyncio.create_task(collect(epd, epd.make_request(mm_prompt(21), GREEDY)))
-        assert await until(lambda: total(epd, "prefill", "num_deferred") == 1)
+        assert await until(lambda: total(epd, "prefill", "scheduler.num_deferred") == 1)
         pid = kill(epd, encoder_id)
         return await task, pid
 
     out, pid = asyncio.run(scenario())
     assert out.finish_reason == "length"
     assert out.token_ids == reference(mm_prompt(21)).token_ids
-    assert total(epd, "prefill", "ec_fallbacks") == fallbacks + 1
+    assert total(epd, "prefill", "ec.fallbacks") == fallbacks + 1
     wait_restarted(epd, encoder_id, pid)
-    loaded = total(epd, "prefill", "ec_loaded")
+    loaded = total(epd, "prefill", "ec.loaded")
     assert epd.generate(mm_prompt(22), GREEDY)[0].token_ids == reference(mm_prompt(22)).token_ids
-    assert total(epd, "prefill", "ec_loaded") == loaded + 1  # the restarted E encoded it
+    assert total(epd, "prefill", "ec.loaded") == loaded + 1  # the restarted E encoded it
 
 
 def test_the_pool_controller_is_off_the_request_path(ray_session, model_dir, reference):
@@ -291,7 +298,7 @@ def test_the_pool_controller_is_off_the_request_path(ray_session, model_dir, ref
         async def scenario():
             request = cluster.make_request("controller dies mid-stream", LONG)
             task = asyncio.create_task(collect(cluster, request))
-            assert await until(lambda: instance_stats(cluster, "decode")["num_running"] == 1)
+            assert await until(lambda: instance_stats(cluster, "decode").scheduler.num_running == 1)
             ray.kill(cluster.controller, no_restart=False)
             return await task
 

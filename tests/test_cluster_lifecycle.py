@@ -52,39 +52,39 @@ def test_deferred_on_encoder_while_text_request_proceeds(epd, baseline, referenc
 
     async def scenario():
         mm_task = asyncio.create_task(collect(epd, epd.make_request(mm_prompt(7), GREEDY)))
-        assert await until(lambda: instance_stats(epd, "prefill")["num_deferred"] == 1)
+        assert await until(lambda: instance_stats(epd, "prefill").scheduler.num_deferred == 1)
         text = await collect(epd, epd.make_request("A text request queued behind it", GREEDY))
-        assert not mm_task.done() and instance_stats(epd, "prefill")["num_deferred"] == 1
+        assert not mm_task.done() and instance_stats(epd, "prefill").scheduler.num_deferred == 1
         ray.get(encoder.resume.remote())
         return text, await mm_task
 
     text, mm = asyncio.run(scenario())
     assert text.token_ids == reference("A text request queued behind it").token_ids
     assert mm.token_ids == reference(mm_prompt(7)).token_ids
-    assert instance_stats(epd, "prefill")["ec_loaded"] >= 1  # loaded from E, not encoded on P
+    assert instance_stats(epd, "prefill").ec.loaded >= 1  # loaded from E, not encoded on P
 
 
 def test_prefill_holds_blocks_until_decode_acks(epd, baseline, reference):
     decode = handle(epd, "decode")
     ray.get(decode.pause.remote())
-    acks_before = instance_stats(epd, "prefill")["acks_received"]
+    acks_before = instance_stats(epd, "prefill").kv_transfer.acks_received
 
     async def scenario():
         task = asyncio.create_task(collect(epd, epd.make_request("Hold my blocks", GREEDY)))
-        assert await until(lambda: instance_stats(epd, "prefill")["num_pending_sends"] == 1)
+        assert await until(lambda: instance_stats(epd, "prefill").scheduler.num_pending_sends == 1)
         held = instance_stats(epd, "prefill")
-        assert held["num_blocks_free"] < held["num_blocks_total"]
-        assert held["num_running"] == 0 and held["num_waiting"] == 0
+        assert held.scheduler.num_blocks_free < held.scheduler.num_blocks_total
+        assert held.scheduler.num_running == 0 and held.scheduler.num_waiting == 0
         # P's loop keeps stepping (no model work) while the send is outstanding.
-        assert await until(lambda: instance_stats(epd, "prefill")["num_steps"] > held["num_steps"])
+        assert await until(lambda: instance_stats(epd, "prefill").num_steps > held.num_steps)
         ray.get(decode.resume.remote())
         return await task
 
     out = asyncio.run(scenario())
     assert out.token_ids == reference("Hold my blocks").token_ids
     stats = instance_stats(epd, "prefill")
-    assert stats["num_blocks_free"] == stats["num_blocks_total"]
-    assert stats["acks_received"] == acks_before + 1
+    assert stats.scheduler.num_blocks_free == stats.scheduler.num_blocks_total
+    assert stats.kv_transfer.acks_received == acks_before + 1
 
 
 def test_every_instance_runs_at_normal_priority_with_its_num_cpus_threads(epd):
@@ -94,8 +94,8 @@ def test_every_instance_runs_at_normal_priority_with_its_num_cpus_threads(epd):
         pytest.skip("raising a process's priority needs root or CAP_SYS_NICE")
     for role in ("encoder", "prefill", "decode"):
         stats = instance_stats(epd, role)
-        assert stats["num_threads"] == 1
-        threads = Path(f"/proc/{stats['pid']}/task").iterdir()
+        assert stats.num_threads == 1
+        threads = Path(f"/proc/{stats.pid}/task").iterdir()
         assert {os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in threads} == {0}, role
 
 
@@ -110,29 +110,33 @@ async def _abort_when(cluster, request, stage_reached) -> None:
 def test_abort_while_queued_on_prefill(epd, baseline):
     ray.get(handle(epd, "prefill").pause.remote())
     request = epd.make_request("queued", GREEDY)
-    asyncio.run(_abort_when(epd, request, lambda: instance_stats(epd, "prefill")["num_waiting"]))
+    asyncio.run(
+        _abort_when(epd, request, lambda: instance_stats(epd, "prefill").scheduler.num_waiting)
+    )
 
 
 def test_abort_while_deferred_on_encoder(epd, baseline):
     ray.get(handle(epd, "encoder").pause.remote())
     request = epd.make_request(mm_prompt(11), GREEDY)
-    stage = lambda: instance_stats(epd, "prefill")["num_deferred"] == 1  # noqa: E731
+    stage = lambda: instance_stats(epd, "prefill").scheduler.num_deferred == 1  # noqa: E731
     asyncio.run(_abort_when(epd, request, stage))
 
 
 def test_abort_between_prefill_and_decode(epd, baseline):
     ray.get(handle(epd, "decode").pause.remote())
-    cancelled = instance_stats(epd, "prefill")["sends_cancelled"]
+    cancelled = instance_stats(epd, "prefill").kv_transfer.sends_cancelled
     request = epd.make_request("between P and D", GREEDY)
-    stage = lambda: instance_stats(epd, "prefill")["num_pending_sends"] == 1  # noqa: E731
+    stage = lambda: instance_stats(epd, "prefill").scheduler.num_pending_sends == 1  # noqa: E731
     asyncio.run(_abort_when(epd, request, stage))
     # P frees at once on the abort, not at the lease.
-    assert wait_until(lambda: instance_stats(epd, "prefill")["sends_cancelled"] == cancelled + 1)
+    assert wait_until(
+        lambda: instance_stats(epd, "prefill").kv_transfer.sends_cancelled == cancelled + 1
+    )
 
 
 def test_abort_while_decoding(epd, baseline):
     request = epd.make_request("decode for a long time", LONG)
-    stage = lambda: instance_stats(epd, "decode")["num_running"] == 1  # noqa: E731
+    stage = lambda: instance_stats(epd, "decode").scheduler.num_running == 1  # noqa: E731
     asyncio.run(_abort_when(epd, request, stage))
 
 
@@ -160,18 +164,20 @@ def test_lease_frees_blocks_when_decode_never_acks(ray_session, model_dir, refer
 
         async def scenario():
             task = asyncio.create_task(collect(cluster, cluster.make_request("lease", GREEDY)))
-            assert await until(lambda: instance_stats(cluster, "prefill")["leases_expired"] == 1)
+            assert await until(
+                lambda: instance_stats(cluster, "prefill").kv_transfer.leases_expired == 1
+            )
             stats = instance_stats(cluster, "prefill")
-            assert stats["num_blocks_free"] == stats["num_blocks_total"]
-            assert stats["num_pending_sends"] == 0
+            assert stats.scheduler.num_blocks_free == stats.scheduler.num_blocks_total
+            assert stats.scheduler.num_pending_sends == 0
             ray.get(decode.resume.remote())  # D still holds a ref: it reads, and its ack is late
             return await task
 
         out = asyncio.run(scenario())
         assert out.token_ids == reference("lease").token_ids
-        assert wait_until(lambda: instance_stats(cluster, "prefill")["acks_ignored"] == 1), str(
-            instance_stats(cluster, "decode")
-        ) + str(instance_stats(cluster, "prefill"))
+        assert wait_until(
+            lambda: instance_stats(cluster, "prefill").kv_transfer.acks_ignored == 1
+        ), str(instance_stats(cluster, "decode")) + str(instance_stats(cluster, "prefill"))
         assert_clean(cluster, baseline)
 
 
@@ -186,8 +192,8 @@ def test_a_client_that_stops_reading_has_its_request_aborted(ray_session, model_
         decode_id = next(i for i, (role, _) in cluster.instances.items() if role == "decode")
         route = Route("a-replica-that-died", None, decode_id)  # it submits, then never pulls
         handle(cluster, "prefill").submit.remote(request, route)
-        assert wait_until(lambda: instance_stats(cluster, "decode")["num_running"] == 1)
+        assert wait_until(lambda: instance_stats(cluster, "decode").scheduler.num_running == 1)
         ray.get(decode.pause.remote())  # from here only an abort can end the request
-        assert wait_until(lambda: instance_stats(cluster, "decode")["num_running"] == 0)
+        assert wait_until(lambda: instance_stats(cluster, "decode").scheduler.num_running == 0)
         ray.get(decode.resume.remote())
         assert_clean(cluster, baseline)

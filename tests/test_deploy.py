@@ -24,6 +24,12 @@ import jsonschema
 import pytest
 import yaml
 
+from pdcluster.actors.messages import (
+    InstanceStats,
+    KVTransferStats,
+    LatencyHistogram,
+    SchedulerStats,
+)
 from pdcluster.cluster.api.metrics import GatewayMetrics
 from pdcluster.cluster.config import ClusterConfig
 
@@ -491,9 +497,15 @@ def test_gateway_exports_every_dashboard_metric() -> None:
     """What the gateway's registry exposes, with one instance in its snapshot, is what the
     dashboard queries (under the exposition's names: counters end in _total)."""
     metrics = GatewayMetrics("m", max_model_len=64)
-    stats = {"id": "i0", "role": "decode", "healthy": True, "num_blocks_total": 8}
-    stats["transfer_ms_histogram"] = {"buckets_ms": [1.0], "counts": [0], "count": 0, "sum_ms": 0}
-    metrics.instances.snapshot = [stats]
+    histogram = LatencyHistogram(buckets_ms=(1.0,), counts=(0,), sum_ms=0.0, count=0)
+    metrics.instances.snapshot = [
+        InstanceStats(
+            "i0",
+            "decode",
+            scheduler=SchedulerStats(num_blocks_total=8),
+            kv_transfer=KVTransferStats(transfer_ms_histogram=histogram),
+        )
+    ]
     metrics.http_requests.labels("/v1/completions", "POST", "200").inc()
     exported = set()
     for family in metrics.registry.collect():

@@ -271,20 +271,18 @@ def test_after_its_p_is_killed_a_follow_up_turn_loads_prompt_and_reply_from_the_
         # P published the prompt's 9 full blocks, D the block its reply filled.
         assert wait_until(lambda: pool_stats(pool)["num_blocks"] == 10)
         assert wait_until(lambda: len(cluster.front.policy.pool_blocks) == 10)  # the router's view
-        first_p = next(
-            s for s in cluster.stats() if s["role"] == "prefill" and s["kv_pool_publishes"]
-        )
-        ray.kill(cluster.instances[first_p["id"]][1], no_restart=False)
+        first_p = next(s for s in cluster.stats() if s.role == "prefill" and s.kv_pool.publishes)
+        ray.kill(cluster.instances[first_p.instance_id][1], no_restart=False)
         assert wait_until(lambda: _restarted(cluster, first_p), RESTART_TIMEOUT_S)
         baseline = live_object_ids()
 
         follow_up = [*PROMPT, *turn1.token_ids, 7, 8, 9]
         turn2 = cluster.generate([{"prompt_token_ids": follow_up}], PARAMS)[0]
         assert turn2.token_ids == reference(follow_up)
-        prefills = [s for s in cluster.stats() if s["role"] == "prefill"]
+        prefills = [s for s in cluster.stats() if s.role == "prefill"]
         # No live P holds any of it: all 10 blocks, the reply's included, came from the pool.
-        assert sum(s["kv_pool_hit_tokens"] for s in prefills) == 40
-        assert sum(s["prefix_cache_hits"] for s in prefills) == 0
+        assert sum(s.kv_pool.hit_tokens for s in prefills) == 40
+        assert sum(s.scheduler.prefix_cache_hits for s in prefills) == 0
         assert_clean(cluster, baseline)
         assert pool_stats(pool)["num_pinned_entries"] == 0
         held = set(ray.get(pool.object_ids.remote()))
@@ -310,8 +308,8 @@ def _answers_empty(pool) -> bool:
 
 
 def _restarted(cluster, before: dict) -> bool:
-    now = next(s for s in cluster.stats() if s["id"] == before["id"])
-    return now["healthy"] and now.get("pid") not in (None, before["pid"])
+    now = next(s for s in cluster.stats() if s.instance_id == before.instance_id)
+    return now.healthy and now.pid not in (None, before.pid)
 
 
 def test_kv_pool_size_flag_and_default():

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdcluster.actors.messages import InstanceStats
 from pdcluster.engine import LLM, SamplingParams
 from tests.cluster_utils import (
     SMALL_ENGINE,
@@ -133,7 +134,7 @@ def run_load(base_url: str, seconds: float, seed: int) -> Tally:
 def private_rss(cluster) -> dict[str, int]:
     """Anonymous resident memory (bytes) of each instance actor's process: RSS less the file
     and shared pages, which the object store's mapping inflates as it is used."""
-    return {s["id"]: _rss_anon(s["pid"]) for s in cluster.stats()}
+    return {s.instance_id: _rss_anon(s.pid) for s in cluster.stats()}
 
 
 def _rss_anon(pid: int) -> int:
@@ -160,7 +161,7 @@ def _load_test(cluster, base_url: str, seconds: float) -> Tally:
     assert not tally.errors, f"{len(tally.errors)} failed: {tally.errors[:5]}"
     assert tally.completed >= NUM_CLIENTS and tally.disconnected > 0, tally
     assert_clean(cluster, baseline)
-    assert all(s["healthy"] for s in cluster.stats())
+    assert all(s.healthy for s in cluster.stats())
     assert_memory_flat(before, private_rss(cluster))
     print(f"load {seconds:.0f} s: {tally.completed} completed, {tally.disconnected} hung up")
     return tally
@@ -224,19 +225,18 @@ def _run_bounded(cluster, prompts: list, params: list[SamplingParams]) -> list[l
     return [o.token_ids for o in outputs]
 
 
-def _stuck(s: dict[str, Any]) -> bool:
+def _stuck(s: InstanceStats) -> bool:
+    q = s.scheduler
     return (
-        s.get("num_waiting", 0) + s.get("num_deferred", 0) > 0
-        and s.get("num_blocks_free") == 0
-        and not s.get("num_running")
-        and not s.get("num_pending_recvs")
+        q.num_waiting + q.num_deferred > 0
+        and q.num_blocks_free == 0
+        and not q.num_running
+        and not q.num_pending_recvs
     )
 
 
-def _brief(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    keys = ("id", "num_blocks_free", "num_running", "num_waiting", "num_deferred")
-    keys += ("num_pending_sends", "num_pending_recvs", "num_loads", "acks_received")
-    return [{k: s.get(k) for k in keys} for s in stats]
+def _brief(stats: list[InstanceStats]) -> list[tuple[Any, ...]]:
+    return [(s.instance_id, s.scheduler, s.kv_transfer) for s in stats]
 
 
 # ~15 s each: the small prefill pool runs in -m slow

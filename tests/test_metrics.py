@@ -234,13 +234,15 @@ def test_dead_instance_gives_503_and_cluster_view_is_bounded(base_url, cluster, 
     decode_id = _id(cluster, "decode")
     decode = handle(cluster, "decode")
     ray.get(decode.pause.remote())
-    pid = next(s["pid"] for s in cluster.stats() if s["id"] == decode_id)
+    pid = next(s.pid for s in cluster.stats() if s.instance_id == decode_id)
     with httpx.Client(timeout=60) as client:
         body = {"model": MODEL, "prompt": "lose D", "max_tokens": 8, **NO_EOS}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending = pool.submit(client.post, f"{base_url}/v1/completions", json=body)
             assert wait_until(
-                lambda: any(s["id"] == decode_id and s.get("num_waiting") for s in cluster.stats())
+                lambda: any(
+                    s.instance_id == decode_id and s.scheduler.num_waiting for s in cluster.stats()
+                )
             )
             ray.kill(decode, no_restart=False)
             response = pending.result()
@@ -255,8 +257,8 @@ def test_dead_instance_gives_503_and_cluster_view_is_bounded(base_url, cluster, 
     assert wait_until(unreachable, RESTART_TIMEOUT_S)
 
     def back() -> bool:
-        s = next(s for s in cluster.stats() if s["id"] == decode_id)
-        return s["healthy"] and s.get("pid") not in (None, pid)
+        s = next(s for s in cluster.stats() if s.instance_id == decode_id)
+        return s.healthy and s.pid not in (None, pid)
 
     assert wait_until(back, RESTART_TIMEOUT_S)
 

@@ -56,14 +56,14 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 def busiest(cluster, roles: tuple[str, ...], exclude: set[str]) -> str:
     """The live instance of `roles` (not in `exclude`) running or queueing the most
     requests (a P's requests whose KV awaits D's read do not count)."""
-    stats = [s for s in stats_by_id(cluster).values() if s["role"] in roles and s["healthy"]]
-    stats = [s for s in stats if s["id"] not in exclude]
-    return max(stats, key=lambda s: s.get("num_running", 0) + s.get("num_waiting", 0))["id"]
+    stats = [s for s in stats_by_id(cluster).values() if s.role in roles and s.healthy]
+    stats = [s for s in stats if s.instance_id not in exclude]
+    return max(stats, key=lambda s: s.scheduler.num_running + s.scheduler.num_waiting).instance_id
 
 
 def kill(cluster, instance_id: str) -> int:
     """Kill an instance's actor (Ray restarts it); the pid it had."""
-    pid = stats_by_id(cluster)[instance_id]["pid"]
+    pid = stats_by_id(cluster)[instance_id].pid
     ray.kill(cluster.instances[instance_id][1], no_restart=False)
     return pid
 
@@ -73,7 +73,7 @@ def wait_back(cluster, killed: dict[str, int], timeout_s: float = RESTART_TIMEOU
 
     def back() -> bool:
         stats = stats_by_id(cluster)
-        return all(stats[i]["healthy"] and stats[i].get("pid") not in (None, pid)
+        return all(stats[i].healthy and stats[i].pid not in (None, pid)
                    for i, pid in killed.items())  # fmt: skip
 
     assert wait_until(back, timeout_s), cluster.stats()
@@ -124,8 +124,8 @@ def run_chaos(
     again = cluster.generate(prompts(num_streams, seed=3), STREAM)
     assert all(len(o.token_ids) == STREAM.max_tokens for o in again)
     stats = stats_by_id(cluster)
-    took = {i: stats[i].get("num_loads" if stats[i]["role"] == "decode" else "num_sends", 0)
-            for i in killed}  # fmt: skip
+    took = {i: stats[i].kv_transfer.num_loads if stats[i].role == "decode"
+            else stats[i].kv_transfer.num_sends for i in killed}  # fmt: skip
     assert all(took.values()), took  # each restarted instance served some of the third wave
     assert_clean(cluster, baseline, timeout_s=60)
 

@@ -111,10 +111,10 @@ def test_disaggregated_children_equal_colocated_and_share_the_prompt_on_prefill(
     # P computed the prompt's full blocks once: every other child found them cached.
     assert sorted(cached_on_prefill) == [0] + [SHARED_TOKENS] * (N - 1)
     p_after, d_after = instance_stats(pd, "prefill"), instance_stats(pd, "decode")
-    hits = p_after["prefix_cache_hits"] - p_before["prefix_cache_hits"]
+    hits = p_after.scheduler.prefix_cache_hits - p_before.scheduler.prefix_cache_hits
     assert hits >= (N - 1) * SHARED_TOKENS
     # Each child's KV reaches D through the connector on its own: one load per child.
-    assert d_after["num_loads"] - d_before["num_loads"] == N
+    assert d_after.kv_transfer.num_loads - d_before.kv_transfer.num_loads == N
 
 
 def test_leaving_a_group_early_aborts_every_child_everywhere(pd):

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from pdcluster.actors.messages import InstanceStats, SchedulerStats
 from pdcluster.cluster.config import AutoscaleSettings
 from pdcluster.cluster.control.planner import Decision, Planner, RoleSignals, signals_from_stats
 
@@ -259,10 +260,10 @@ def test_every_decision_has_a_reason_and_is_kept_for_metrics():
 # ---- signals from instance stats ---------------------------------------------------------
 
 
-def instance(role: str, healthy: bool = True, **stats: int) -> dict[str, Any]:
-    defaults = {"prefill_tokens_queued": 0, "num_running": 0, "num_waiting": 0}
+def instance(role: str, healthy: bool = True, **scheduler: int) -> InstanceStats:
     blocks = {"num_blocks_free": 100, "num_blocks_total": 100}
-    return {"role": role, "healthy": healthy, **defaults, **blocks, **stats}
+    stats = SchedulerStats(**{**blocks, **scheduler})
+    return InstanceStats("i", role, healthy=healthy, scheduler=stats)
 
 
 def test_signals_sum_totals_and_average_kv_usage_over_healthy_instances():

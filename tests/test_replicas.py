@@ -60,7 +60,7 @@ def test_two_replicas_route_the_same_prefix_to_the_same_prefill(ray_session, mod
 
 
 def instance_stats_by_id(cluster, instance_id: str) -> dict:
-    return next(s for s in cluster.stats() if s["id"] == instance_id)
+    return next(s for s in cluster.stats() if s.instance_id == instance_id)
 
 
 @pytest.mark.slow  # ~22 s; restarts under one replica stay in test_cluster_faults.py
@@ -70,12 +70,12 @@ def test_an_instance_restart_is_seen_by_every_replica(ray_session, model_dir):
         second = launch(config, pool=first.pool)
         try:
             prefill_id = next(i for i, (r, _) in first.instances.items() if r == "prefill")
-            pid = instance_stats(first, "prefill")["pid"]
+            pid = instance_stats(first, "prefill").pid
             ray.kill(handle(first, "prefill"), no_restart=False)
 
             def restarted(cluster) -> bool:
                 stats = instance_stats_by_id(cluster, prefill_id)
-                return stats.get("pid", pid) != pid and stats["healthy"]
+                return stats.pid != pid and stats.healthy
 
             for cluster in (first, second):
                 assert wait_until(lambda c=cluster: restarted(c), 90)
@@ -152,7 +152,7 @@ def test_a_killed_replica_fails_only_its_own_streams(ray_session, model_dir):
             async def scenario() -> list[str]:
                 victim = replicas.pop()  # the killed replica's handle is no object to account for
                 clients = asyncio.ensure_future(_clients(url, 16, 300))
-                decode = lambda: instance_stats(cluster, "decode")["num_running"]  # noqa: E731
+                decode = lambda: instance_stats(cluster, "decode").scheduler.num_running  # noqa: E731
                 while decode() < 4 or ray.get(victim.counts.remote())[1] == 0:
                     await asyncio.sleep(0.05)
                 ray.kill(victim, no_restart=True)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import ray
 
-from pdcluster.actors import front
+from pdcluster.actors.front import pulls
 from pdcluster.benchmarks.workload import (
     PACKAGED_TRACE,
     LengthScaling,
@@ -97,7 +97,7 @@ def _in_flight(cluster: Cluster, replica: ray.actor.ActorHandle) -> int:
 
 
 def _num_loads(cluster: Cluster) -> int:
-    return sum(s.get("num_loads", 0) for s in cluster.stats() if s["role"] == "decode")
+    return sum(s.kv_transfer.num_loads for s in cluster.stats() if s.role == "decode")
 
 
 def run_streams(cluster: Cluster, num_streams: int) -> None:
@@ -156,7 +156,7 @@ def test_a_late_pull_reply_still_delivers_its_outputs(ray_session, monkeypatch):
         async def scenario() -> list[int]:
             task = asyncio.create_task(collect(cluster, request))
             assert await until(lambda: cluster.front.num_in_flight() == 1)  # planned
-            monkeypatch.setattr(front, "PULL_TIMEOUT_S", 0.0)  # every pull from now is late
+            monkeypatch.setattr(pulls, "PULL_TIMEOUT_S", 0.0)  # every pull from now is late
             return (await asyncio.wait_for(task, 120)).token_ids
 
         assert asyncio.run(scenario()) == expected

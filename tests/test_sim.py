@@ -307,9 +307,9 @@ def test_sim_cluster_matches_colocated_token_for_token(ray_session, reference_si
         assert [o.token_ids for o in outputs] == expected
         assert_clean(cluster, baseline)  # every instance back to all blocks free
         stats = cluster.stats()
-    assert all(s["sim_steps"] > 0 and s["kv_cache_bytes"] < 1 << 20 for s in stats)
+    assert all(s.sim.steps > 0 and s.kv_cache_bytes < 1 << 20 for s in stats)
     if "prefill" in roles:  # the KV really went P -> D through the connector
-        assert sum(s.get("num_loads", 0) for s in stats if s["role"] == "decode") == len(prompts)
+        assert sum(s.kv_transfer.num_loads for s in stats if s.role == "decode") == len(prompts)
 
 
 def test_sim_cluster_aborts_while_decoding_and_cleans_up(ray_session):
@@ -319,7 +319,7 @@ def test_sim_cluster_aborts_while_decoding_and_cleans_up(ray_session):
 
         async def scenario():
             task = asyncio.create_task(collect(cluster, cluster.make_request("x " * 50, long)))
-            assert await until(lambda: instance_stats(cluster, "decode")["num_running"] == 1)
+            assert await until(lambda: instance_stats(cluster, "decode").scheduler.num_running == 1)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 

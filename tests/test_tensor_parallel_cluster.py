@@ -58,9 +58,9 @@ def test_1p1d_at_tp_matches_colocated_tp1(ray_session, tp_model, tp1_reference, 
         assert [o.token_ids for o in outputs] == expected_ids
         assert_clean(cluster, baseline)  # every block free on every instance
         stats = cluster.stats()
-    assert sum(s.get("num_loads", 0) for s in stats if s["role"] == "decode") == len(prompts)
+    assert sum(s.kv_transfer.num_loads for s in stats if s.role == "decode") == len(prompts)
     # Rank 0's KV cache holds its share of tiny-llama's 2 KV heads only.
-    kv_bytes = {s["role"]: s["kv_cache_bytes"] for s in stats}
+    kv_bytes = {s.role: s.kv_cache_bytes for s in stats}
     assert kv_bytes == {"prefill": tp1_kv_bytes // p_tp, "decode": tp1_kv_bytes // d_tp}
 
 
@@ -80,19 +80,19 @@ def test_dead_worker_ends_its_instance_and_streams_move(ray_session, tp_model):
             load = Load(cluster, LONG)
             results = load.add(prompts)
             assert await load.all_have(results, 4)
-            victim = max(cluster.stats(), key=lambda s: s.get("num_running", 0))
-            os.kill(victim["tp_worker_pids"][0], signal.SIGKILL)
+            victim = max(cluster.stats(), key=lambda s: s.scheduler.num_running)
+            os.kill(victim.tensor_parallel.worker_pids[0], signal.SIGKILL)
             return victim, await load.done()
 
         victim, outputs = asyncio.run(run())
         assert [o.token_ids for o in outputs] == expected
 
         def back() -> bool:
-            stats = {s["id"]: s for s in cluster.stats()}[victim["id"]]
-            return stats["healthy"] and stats.get("pid") not in (None, victim["pid"])
+            stats = {s.instance_id: s for s in cluster.stats()}[victim.instance_id]
+            return stats.healthy and stats.pid not in (None, victim.pid)
 
         assert wait_until(back, 120)
         # The new workers' handles and `run` calls live as long as their instance.
-        worker_ids = [w for s in cluster.stats() for w in s.get("tp_worker_actor_ids", [])]
+        worker_ids = [w for s in cluster.stats() for w in s.tensor_parallel.worker_actor_ids]
         workers = {o for o in live_object_ids() if any(w in o for w in worker_ids)}
         assert_clean(cluster, baseline | workers)

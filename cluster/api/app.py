@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdcluster import __version__
+from pdcluster.actors.messages import InstanceStats
 from pdcluster.cluster.api.chat import Chat
 from pdcluster.cluster.api.completions import Completions
 from pdcluster.cluster.api.errors import APIError
@@ -38,7 +39,6 @@ from pdcluster.cluster.config import GatewaySettings
 
 CLUSTER_VIEW_TIMEOUT_S = 1.0  # /v1/cluster and /metrics: an instance slower than this is
 # reported unreachable (one restarting would otherwise hold every call for seconds)
-SIM_VIEW_KEYS = ("sim_steps", "sim_steps_overrun", "sim_time_scale")  # a sim's, in /v1/cluster
 COMPONENTS = "#/components/schemas/"
 
 
@@ -125,7 +125,7 @@ def create_app(
             stats = await asyncio.wait_for(cluster.stats_async(), 5.0)
         except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
             return JSONResponse({"status": "unhealthy", "reason": str(exc)}, status_code=503)
-        serving_instances = [s for s in stats if s.get("role") != "encoder" and s.get("healthy")]
+        serving_instances = [s for s in stats if s.role != "encoder" and s.healthy]
         if not serving_instances:
             return JSONResponse(
                 {"status": "unhealthy", "reason": "no healthy instance"}, status_code=503
@@ -191,19 +191,27 @@ def _document_bodies(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _instance_view(s: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": s.get("id"),
-        "role": s.get("role"),
-        "healthy": bool(s.get("healthy")),
-        "reachable": bool(s.get("reachable", True)),
-        "num_blocks_total": s.get("num_blocks_total", 0),
-        "num_blocks_free": s.get("num_blocks_free", 0),
-        "num_running": s.get("num_running", 0),
-        "num_waiting": s.get("num_waiting", 0),
-        "num_deferred": s.get("num_deferred", 0),
-        "num_pending_transfers": s.get("num_pending_sends", 0) + s.get("num_pending_recvs", 0),
-        "num_pulls": s.get("num_pulls", 0),
-        "num_streams": s.get("num_streams", 0),
-        **{k: s[k] for k in SIM_VIEW_KEYS if k in s},  # a simulated engine's
+def _instance_view(s: InstanceStats) -> dict[str, Any]:
+    """One instance in /v1/cluster (JSON leaves the process here)."""
+    sched = s.scheduler
+    view = {
+        "id": s.instance_id,
+        "role": s.role,
+        "healthy": s.healthy,
+        "reachable": s.reachable,
+        "num_blocks_total": sched.num_blocks_total,
+        "num_blocks_free": sched.num_blocks_free,
+        "num_running": sched.num_running,
+        "num_waiting": sched.num_waiting,
+        "num_deferred": sched.num_deferred,
+        "num_pending_transfers": s.num_pending_transfers,
+        "num_pulls": s.num_pulls,
+        "num_streams": s.num_streams,
     }
+    if s.sim is not None:  # a simulated engine's
+        view |= {
+            "sim_steps": s.sim.steps,
+            "sim_steps_overrun": s.sim.steps_overrun,
+            "sim_time_scale": s.sim.time_scale,
+        }
+    return view

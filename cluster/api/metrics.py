@@ -24,6 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from pdcluster.actors import instance_metrics
+from pdcluster.actors.messages import InstanceStats, LatencyHistogram
 from pdcluster.engine.outputs import EngineCoreOutput
 
 FINE_BUCKETS_S = (0.001, 0.0025, 0.005)
@@ -54,49 +55,49 @@ def token_buckets(max_model_len: int) -> list[int]:
 
 
 # Per-instance series of ours: metric name -> (help, function of one instance's stats).
-_GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], float]]] = {
+_GAUGES: dict[str, tuple[str, Callable[[InstanceStats], float]]] = {
     "pdcluster_num_deferred": (
         "Requests deferred (encoder output or remote KV in flight)",
-        lambda s: s.get("num_deferred", 0),
+        lambda s: s.scheduler.num_deferred,
     ),
     "pdcluster_num_pending_transfers": (
         "KV sends awaiting an ack plus KV loads in flight",
-        lambda s: s.get("num_pending_sends", 0) + s.get("num_pending_recvs", 0),
+        lambda s: s.num_pending_transfers,
     ),
 }
-_COUNTERS: dict[str, tuple[str, Callable[[dict[str, Any]], float]]] = {
+_COUNTERS: dict[str, tuple[str, Callable[[InstanceStats], float]]] = {
     "pdcluster_kv_transfer_bytes": (
         "KV bytes published (P) or loaded (D)",
-        lambda s: s.get("bytes_sent", 0) + s.get("bytes_received", 0),
+        lambda s: s.kv_transfer.bytes_sent + s.kv_transfer.bytes_received,
     ),
     "pdcluster_ec_transfer_bytes": (
         "Encoder-output bytes loaded",
-        lambda s: s.get("ec_bytes_loaded", 0),
+        lambda s: s.ec.bytes_loaded,
     ),
     "pdcluster_kv_leases_expired": (
         "KV sends freed by lease expiry",
-        lambda s: s.get("leases_expired", 0),
+        lambda s: s.kv_transfer.leases_expired,
     ),
-    "pdcluster_kv_transfers": ("KV loads completed", lambda s: s.get("num_loads", 0)),
+    "pdcluster_kv_transfers": ("KV loads completed", lambda s: s.kv_transfer.num_loads),
     "pdcluster_kv_pool_hits": (
         "Requests that found further blocks in the cluster KV pool",
-        lambda s: s.get("kv_pool_hits", 0),
+        lambda s: s.kv_pool.hits,
     ),
     "pdcluster_kv_pool_hit_tokens": (
         "Tokens loaded from the cluster KV pool instead of computed",
-        lambda s: s.get("kv_pool_hit_tokens", 0),
+        lambda s: s.kv_pool.hit_tokens,
     ),
     "pdcluster_kv_pool_misses": (
         "Lookups in the cluster KV pool that found nothing further",
-        lambda s: s.get("kv_pool_misses", 0),
+        lambda s: s.kv_pool.misses,
     ),
     "pdcluster_kv_pool_failed_loads": (
         "Loads from the cluster KV pool that failed (recomputed)",
-        lambda s: s.get("kv_pool_failed_loads", 0),
+        lambda s: s.kv_pool.failed_loads,
     ),
     "pdcluster_kv_pool_published_bytes": (
         "KV bytes this instance published to the cluster KV pool",
-        lambda s: s.get("kv_pool_bytes_published", 0),
+        lambda s: s.kv_pool.bytes_published,
     ),
 }
 # The cluster KV pool's own series: metric name -> (kind, help, its stats key).
@@ -126,21 +127,21 @@ class _InstanceCollector(Collector):
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.snapshot: list[dict[str, Any]] = []
+        self.snapshot: list[InstanceStats] = []
         self.planner: dict[str, Any] = {}  # the pool controller's planner_state()
         self.num_moves = 0  # this replica's migrations so far
         self.kv_pool: dict[str, Any] | None = None  # the cluster KV pool's stats
 
     def collect(self) -> Iterable[Metric]:
         yield from self._pool()
-        answered = [s for s in self.snapshot if s.get("reachable", True)]
+        answered = [s for s in self.snapshot if s.reachable]
         healthy = GaugeMetricFamily(
             "pdcluster_instance_healthy",
             "1 when this gateway replica sees the instance healthy",
             labels=_LABELS,
         )
         for s in self.snapshot:
-            healthy.add_metric(_labels(s), float(bool(s.get("healthy"))))
+            healthy.add_metric(_labels(s), float(s.healthy))
         yield healthy
         for kind, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
             for name, (help_text, fn) in table.items():
@@ -160,25 +161,23 @@ class _InstanceCollector(Collector):
         yield _latency(
             "pdcluster_kv_transfer_latency_seconds",
             "KV load latency on the consumer (start of load to copied into blocks)",
-            "transfer_ms_histogram",
-            answered,
+            [(s, s.kv_transfer.transfer_ms_histogram) for s in answered],
         )
         yield _latency(
             "pdcluster_kv_pool_load_latency_seconds",
             "Loads from the cluster KV pool (start of load to copied into blocks)",
-            "kv_pool_load_ms_histogram",
-            answered,
+            [(s, s.kv_pool.load_ms_histogram) for s in answered],
         )
         for name, (kind, help_text, key) in _KV_POOL.items():
             if self.kv_pool is not None:
                 yield kind(name, help_text, value=float(self.kv_pool.get(key, 0)))
 
-    def _vllm_labels(self, s: dict[str, Any]) -> list[str]:
-        return [self.model_name, str(s.get("id")), str(s.get("role"))]
+    def _vllm_labels(self, s: InstanceStats) -> list[str]:
+        return [self.model_name, s.instance_id, s.role]
 
     def _pool(self) -> Iterable[Metric]:
         """Instances per role (live, and what the planner wants) and its decisions."""
-        live = Counter_(s.get("role") for s in self.snapshot if s.get("healthy"))
+        live = Counter_(s.role for s in self.snapshot if s.healthy)
         desired = self.planner.get("desired", {})
         actual = GaugeMetricFamily("pdcluster_instances", "Live instances", labels=["role"])
         wanted = GaugeMetricFamily(
@@ -210,22 +209,23 @@ class _InstanceCollector(Collector):
 
 
 def _latency(
-    name: str, help_text: str, key: str, answered: list[dict[str, Any]]
+    name: str,
+    help_text: str,
+    histograms: list[tuple[InstanceStats, LatencyHistogram | None]],
 ) -> HistogramMetricFamily:
     """A latency histogram per instance, from the millisecond histogram its stats hold."""
     family = HistogramMetricFamily(name, help_text, labels=_LABELS)
-    for s in answered:
-        h = s.get(key)
-        if not h:
+    for s, h in histograms:
+        if h is None:
             continue
-        buckets = [(str(ms / 1e3), float(n)) for ms, n in zip(h["buckets_ms"], h["counts"])]
-        buckets.append(("+Inf", float(h["count"])))
-        family.add_metric(_labels(s), buckets, sum_value=h["sum_ms"] / 1e3)
+        buckets = [(str(ms / 1e3), float(n)) for ms, n in zip(h.buckets_ms, h.counts)]
+        buckets.append(("+Inf", float(h.count)))
+        family.add_metric(_labels(s), buckets, sum_value=h.sum_ms / 1e3)
     return family
 
 
-def _labels(s: dict[str, Any]) -> list[str]:
-    return [str(s.get("id")), str(s.get("role"))]
+def _labels(s: InstanceStats) -> list[str]:
+    return [s.instance_id, s.role]
 
 
 class GatewayMetrics:

@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 from fastapi import Request
 
+from pdcluster.actors.messages import InstanceStats
 from pdcluster.cluster.api.body import BodyT, parse_body
 from pdcluster.cluster.api.errors import RETRY_AFTER_S, APIError
 from pdcluster.cluster.api.metrics import GatewayMetrics
@@ -64,7 +65,7 @@ class ClusterClient(Protocol):
         self, requests: list[EngineRequest]
     ) -> AsyncIterator[tuple[int, EngineCoreOutput]]: ...
 
-    async def stats_async(self, timeout_s: float = ...) -> list[dict[str, Any]]: ...
+    async def stats_async(self, timeout_s: float = ...) -> list[InstanceStats]: ...
 
     async def scale(self, role: str, count: int) -> dict[str, str]: ...
 

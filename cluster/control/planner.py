@@ -18,8 +18,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
+from pdcluster.actors.messages import InstanceStats
 from pdcluster.cluster.config import AUTOSCALED_ROLES, AutoscaleSettings
 
 _LETTERS = {"prefill": "P", "decode": "D"}
@@ -64,18 +64,18 @@ class _Signal:
 
 
 def signals_from_stats(
-    stats: Iterable[dict[str, Any]],
+    stats: Iterable[InstanceStats],
     ttft_p90_ms: float | None = None,
     tpot_p90_ms: float | None = None,
 ) -> dict[str, RoleSignals]:
-    """`RoleSignals` of every role that has instances in `stats` (one dict per instance, as the
+    """`RoleSignals` of every role that has instances in `stats` (one per instance, as the
     instances publish them), counting healthy instances only. TTFT p90, measured at the
     gateway, goes to prefill; TPOT p90 to decode."""
-    healthy: dict[str, list[dict[str, Any]]] = {}
+    healthy: dict[str, list[InstanceStats]] = {}
     for s in stats:
-        healthy.setdefault(s["role"], [])
-        if s.get("healthy"):
-            healthy[s["role"]].append(s)
+        healthy.setdefault(s.role, [])
+        if s.healthy:
+            healthy[s.role].append(s)
     latency = {"prefill": (ttft_p90_ms, None), "decode": (None, tpot_p90_ms)}
     return {
         role: _role_signals(instances, *latency.get(role, (None, None)))
@@ -84,23 +84,19 @@ def signals_from_stats(
 
 
 def _role_signals(
-    instances: list[dict[str, Any]], ttft_p90_ms: float | None, tpot_p90_ms: float | None
+    instances: list[InstanceStats], ttft_p90_ms: float | None, tpot_p90_ms: float | None
 ) -> RoleSignals:
-    usages = [_kv_usage(s) for s in instances]
+    scheds = [s.scheduler for s in instances]
+    usages = [s.kv_usage for s in scheds]
     return RoleSignals(
         count=len(instances),
-        queued_prefill_tokens=sum(s.get("prefill_tokens_queued", 0) for s in instances),
-        num_running=sum(s.get("num_running", 0) for s in instances),
-        num_waiting=sum(s.get("num_waiting", 0) for s in instances),
+        queued_prefill_tokens=sum(s.prefill_tokens_queued for s in scheds),
+        num_running=sum(s.num_running for s in scheds),
+        num_waiting=sum(s.num_waiting for s in scheds),
         kv_usage=sum(usages) / len(usages) if usages else 0.0,
         ttft_p90_ms=ttft_p90_ms,
         tpot_p90_ms=tpot_p90_ms,
     )
-
-
-def _kv_usage(s: dict[str, Any]) -> float:
-    total = s.get("num_blocks_total", 0)
-    return 1.0 - s.get("num_blocks_free", 0) / total if total else 0.0
 
 
 class Planner:

@@ -1,0 +1,121 @@
+"""InstanceStats: every figure an engine and its connectors report reaches a typed field, and
+the gateway's views and metrics read it. No Ray cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+from pdcluster.actors.messages import InstanceStats, KVPoolUse, LatencyHistogram, SchedulerStats
+from pdcluster.cluster.api.app import _instance_view
+from pdcluster.cluster.api.metrics import GatewayMetrics
+from pdcluster.cluster.control.launch import Cluster
+from pdcluster.connectors.ray_ec import RayECConnector
+from pdcluster.connectors.ray_kv import RayKVConnector
+from pdcluster.connectors.ray_kv_pool import RayKVPoolConnector
+from pdcluster.engine import LLM
+
+SIM_ENGINE = {"block_size": 4, "num_blocks": 64, "max_model_len": 128}
+HISTOGRAM = {"buckets_ms": [1.0, 2.0], "counts": [3, 4], "sum_ms": 5.0, "count": 4}
+
+
+def engine_keys(preset_dir) -> set[str]:
+    """The keys of every part an instance's engine may report."""
+    keys = set(LLM(preset_dir("tiny-llama"), num_blocks=16).engine.stats())
+    keys |= set(LLM("sim:h100-llama-3.1-8b", **SIM_ENGINE).engine.stats())
+    keys |= set(RayKVConnector("P0", "producer", block_size=4).stats())
+    keys |= set(RayKVPoolConnector(None, block_size=4).stats())
+    keys |= set(RayECConnector("consumer").stats())
+    return keys | {"tensor_parallel_size", "tp_worker_pids", "tp_worker_actor_ids"}
+
+
+def leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [v for item in value.values() for v in leaves(item)]
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in leaves(item)]
+    return [value]
+
+
+def test_every_engine_figure_lands_in_a_typed_field(preset_dir):
+    counter = itertools.count(1000)
+    flat: dict[str, Any] = {}
+    for key in sorted(engine_keys(preset_dir)):
+        if key.endswith("_histogram"):
+            flat[key] = HISTOGRAM
+        elif key.startswith("tp_worker_"):
+            flat[key] = [next(counter)]
+        else:
+            flat[key] = next(counter)
+    stats = InstanceStats.from_engine(flat, instance_id="P0", role="prefill")
+    found = set(leaves(dataclasses.asdict(stats)))
+    lost = {
+        k: v for k, v in flat.items() if not isinstance(v, dict) and not set(leaves(v)) <= found
+    }
+    assert not lost, f"engine figures without a field: {sorted(lost)}"
+    assert stats.kv_transfer.transfer_ms_histogram == LatencyHistogram((1.0, 2.0), (3, 4), 5.0, 4)
+    assert stats.kv_pool.load_ms_histogram == stats.kv_transfer.transfer_ms_histogram
+    assert stats.sim is not None
+
+
+def test_an_encoder_reports_its_queue_only():
+    stats = InstanceStats.from_engine(
+        {"num_waiting": 2, "num_blocks_total": 0, "num_blocks_free": 0},
+        instance_id="E0",
+        role="encoder",
+    )
+    assert stats.scheduler == SchedulerStats(num_waiting=2)
+    assert stats.sim is None and stats.tensor_parallel.size == 1
+    assert not stats.is_idle()
+
+
+def test_idle_means_nothing_held():
+    idle = InstanceStats("D0", "decode", scheduler=SchedulerStats(8, 8))
+    assert idle.is_idle()
+    assert not dataclasses.replace(idle, scheduler=SchedulerStats(8, 7)).is_idle()
+    assert not dataclasses.replace(idle, num_streams=1).is_idle()
+    assert not dataclasses.replace(idle, kv_pool=KVPoolUse(pending_loads=1)).is_idle()
+    assert not dataclasses.replace(
+        idle, scheduler=SchedulerStats(8, 8, num_pending_recvs=1)
+    ).is_idle()
+
+
+def test_cluster_view_of_an_instance():
+    sched = SchedulerStats(num_blocks_total=8, num_blocks_free=6, num_running=1,
+                           num_pending_sends=2, num_pending_recvs=1)  # fmt: skip
+    stats = InstanceStats("P0", "prefill", num_pulls=5, num_streams=1, scheduler=sched)
+    assert _instance_view(stats) == {
+        "id": "P0", "role": "prefill", "healthy": True, "reachable": True,
+        "num_blocks_total": 8, "num_blocks_free": 6, "num_running": 1, "num_waiting": 0,
+        "num_deferred": 0, "num_pending_transfers": 3, "num_pulls": 5, "num_streams": 1,
+    }  # fmt: skip
+    gone = _instance_view(InstanceStats.unreachable("D0", "decode"))
+    assert (gone["healthy"], gone["reachable"], gone["num_blocks_total"]) == (False, False, 0)
+
+
+def test_gateway_metrics_read_instance_stats():
+    metrics = GatewayMetrics("m", max_model_len=64)
+    sched = SchedulerStats(num_blocks_total=10, num_blocks_free=4, num_running=3)
+    metrics.instances.snapshot = [
+        InstanceStats("D0", "decode", scheduler=sched),
+        InstanceStats.unreachable("D1", "decode"),
+    ]
+    samples = {
+        (s.name, s.labels.get("engine") or s.labels.get("instance")): s.value
+        for family in metrics.registry.collect()
+        for s in family.samples
+    }
+    assert samples[("vllm:num_requests_running", "D0")] == 3
+    assert samples[("vllm:kv_cache_usage_perc", "D0")] == 0.6
+    assert samples[("pdcluster_instance_healthy", "D1")] == 0.0
+    assert ("vllm:num_requests_running", "D1") not in samples  # no answer: no series
+
+
+def test_wait_idle_returns_once_every_healthy_instance_holds_nothing():
+    busy = InstanceStats("D0", "decode", scheduler=SchedulerStats(8, 7))
+    snapshots = iter([[busy], [dataclasses.replace(busy, scheduler=SchedulerStats(8, 8))]])
+    cluster = Cluster.__new__(Cluster)
+    cluster.stats = lambda: next(snapshots)  # type: ignore[method-assign]
+    (idle,) = Cluster.wait_idle(cluster, timeout_s=5)
+    assert idle.is_idle()
