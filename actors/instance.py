@@ -35,6 +35,7 @@ from pdcluster.actors.messages import InstanceStats, LoadReport, PullReply, Rout
 from pdcluster.actors.pixels import prefetch
 from pdcluster.actors.priority import run_at_normal_priority
 from pdcluster.actors.stage_clock import StageClock
+from pdcluster.actors.step_commands import WAKE, AbortRequests, AddRequest, StepCommand, Wake
 from pdcluster.actors.streams import PULL_WAIT_S, Outboxes, reap_orphans
 from pdcluster.actors.tp_worker import exit_instance, start_ray_workers
 from pdcluster.connectors.base import KVConnectorBase
@@ -126,8 +127,8 @@ class InstanceActor:
         spec = dataclasses.replace(spec, engine=engine)
         self.spec = spec
         self._node_id = ray.get_runtime_context().get_node_id()
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self.core = build_core(spec, wake=lambda: self._inbox.put(("wake", None)))
+        self._inbox: queue.SimpleQueue[StepCommand] = queue.SimpleQueue()
+        self.core = build_core(spec, wake=lambda: self._inbox.put(WAKE))
         if isinstance(self.core, EngineCore):
             self.core.enable_kv_events()
         self._streams = Outboxes(spec.stream_idle_timeout_s)
@@ -170,7 +171,7 @@ class InstanceActor:
         if route.decode_id is not None:
             self._handoffs[rid] = (request, route.decode_id)
             request = for_prefill(request)
-        self._inbox.put(("add", (request, route.ec_handle, received_s)))
+        self._inbox.put(AddRequest(request, received_s, route.ec_handle))
 
     @ray.method(enable_task_events=False)  # the most frequent call: no per-call event to the GCS
     async def pull(
@@ -215,7 +216,7 @@ class InstanceActor:
             self._encodes.pop(rid, None)
             return {}
         self._mm_hashes[rid] = [f.mm_hash for f in request.mm_features]
-        self._inbox.put(("add", (request, None, time.time())))
+        self._inbox.put(AddRequest(request, time.time()))
         try:
             out, outputs = await future
         finally:
@@ -235,14 +236,14 @@ class InstanceActor:
             future = self._encodes.get(request_id)
             if future is not None and not future.done():
                 future.set_result((EngineCoreOutput(request_id, [], finish_reason="abort"), {}))
-        self._inbox.put(("abort", request_ids))
+        self._inbox.put(AbortRequests(request_ids))
 
     async def ack_kv(self, request_id: str) -> None:
         """A consumer has read this request's KV (producer role)."""
         kv = handoff_connector(self.core)
         if kv is not None:
             kv.ack(request_id)
-            self._inbox.put(("wake", None))  # an idle loop steps to free the blocks
+            self._inbox.put(WAKE)  # an idle loop steps to free the blocks
 
     async def stats(self) -> InstanceStats:
         num_streams = len(self._streams) + len(self._encodes)
@@ -258,7 +259,7 @@ class InstanceActor:
 
     async def resume(self) -> None:
         self._paused.clear()
-        self._inbox.put(("wake", None))
+        self._inbox.put(WAKE)
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop being offered new requests (pull replies say so), finish what is held (KV held
@@ -289,7 +290,7 @@ class InstanceActor:
     async def shutdown(self) -> None:
         self._stopping = True
         self._streams.notify()
-        self._inbox.put(("wake", None))
+        self._inbox.put(WAKE)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
         self.core.shutdown()
 
@@ -363,38 +364,43 @@ class InstanceActor:
         try:
             if block:
                 timeout_s = INBOX_POLL_S if self.core.has_work() else IDLE_WAIT_S
-                command, arg = self._inbox.get(timeout=timeout_s)
+                command = self._inbox.get(timeout=timeout_s)
             else:
-                command, arg = self._inbox.get_nowait()
+                command = self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            self._handle(command, arg)
+            self._handle(command)
             try:
-                command, arg = self._inbox.get_nowait()
+                command = self._inbox.get_nowait()
             except queue.Empty:
                 break
         if self._publish_stats() and self._loop is not None:
             self._loop.call_soon_threadsafe(self._streams.notify)
 
-    def _handle(self, command: str, arg: Any) -> None:
-        if command == "add":
-            request, ec_handle, received_s = arg
-            try:
-                self.core.add_request(request)
-            except ValueError as exc:
-                self._deliver(
-                    EngineCoreOutput(request.request_id, [], finish_reason="error", error=str(exc))
-                )
-                return
-            if isinstance(self.core, EngineCore):
-                self._clock.received(request.request_id, received_s)
-            ec = getattr(self.core, "ec_connector", None)
-            if ec_handle and isinstance(ec, RayECConnector):
-                ec.add_handle(request.request_id, ec_handle)
-        elif command == "abort":
-            self.core.abort_requests(arg)  # their streams were closed already
-            self._clock.forget(arg)
+    def _handle(self, command: StepCommand) -> None:
+        match command:
+            case AddRequest():
+                self._add(command)
+            case AbortRequests(request_ids=request_ids):
+                self.core.abort_requests(request_ids)
+                self._clock.forget(request_ids)
+            case Wake():
+                pass  # it ended the wait: that was all
+
+    def _add(self, command: AddRequest) -> None:
+        request = command.request
+        try:
+            self.core.add_request(request)
+        except ValueError as exc:
+            out = EngineCoreOutput(request.request_id, [], finish_reason="error", error=str(exc))
+            self._deliver(out)
+            return
+        if isinstance(self.core, EngineCore):
+            self._clock.received(request.request_id, command.received_s)
+        ec = getattr(self.core, "ec_connector", None)
+        if command.ec_handle and isinstance(ec, RayECConnector):
+            ec.add_handle(request.request_id, command.ec_handle)
 
     def _deliver(self, out: EngineCoreOutput) -> None:
         """Hand one output outside a step's batch to the event loop (from the step thread)."""
@@ -434,13 +440,13 @@ class InstanceActor:
         out = dataclasses.replace(out, kv_transfer_params=None)
         if out.finish_reason != "length" or params is None:
             if params is not None:
-                self._inbox.put(("abort", [out.request_id]))
+                self._inbox.put(AbortRequests([out.request_id]))
             self._streams.put(out, stage_times)
             return
         try:
             handle = self._decode_handle(decode_id)
         except ValueError as exc:
-            self._inbox.put(("abort", [out.request_id]))
+            self._inbox.put(AbortRequests([out.request_id]))
             error = dataclasses.replace(
                 out, finish_reason="error", error=str(exc), unavailable=True
             )
