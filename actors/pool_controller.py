@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from pdcluster.actors.encoder_instance import EncoderInstanceActor
 from pdcluster.actors.instance import InstanceActor
 from pdcluster.actors.kv_pool import KVPoolActor, kv_pool_actor_name, kv_pool_capacity_bytes
 from pdcluster.actors.messages import InstanceStats
@@ -196,7 +197,7 @@ class PoolController:
     def _start(self, role: str, iid: str) -> ray.actor.ActorHandle:
         kv_pool = None if self._kv_pool is None else kv_pool_actor_name(self.pool)
         return (
-            ray.remote(InstanceActor)
+            ray.remote(EncoderInstanceActor if role == "encoder" else InstanceActor)
             .options(
                 name=iid,
                 **self.plan.resources(role),

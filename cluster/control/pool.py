@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from pdcluster.actors.instance import InstanceSpec
+from pdcluster.actors.instance_base import InstanceSpec
 from pdcluster.actors.messages import InstanceStats
 from pdcluster.cluster.config import ROLES, ClusterConfig
 from pdcluster.cluster.control.planner import Decision, Planner, signals_from_stats
