@@ -274,4 +274,4 @@ class RequestTrace:
     first_token_s: float | None  # its first token reached the replica
     finished_s: float
     stage_times: list[StageTimes]  # in the order the instances let the request go
-    num_moves: int = 0  # times it moved off a lost instance (see actors/front.py)
+    num_moves: int = 0  # times it moved off a lost instance (see actors/front/flights.py)
