@@ -67,6 +67,7 @@ def shuffled_runs(num_blocks: int, run: int, pool_blocks: int, seed: int) -> lis
 def make_actors(ray, layout: Layout, pool_blocks: int, run: int, multinode: bool):
     import torch
 
+    from pdcluster.connectors.base import KVTransferParams
     from pdcluster.connectors.ray_kv import RayKVConnector
     from pdcluster.engine.request import Request, RequestStatus
     from pdcluster.engine.sampling_params import SamplingParams
@@ -90,7 +91,7 @@ def make_actors(ray, layout: Layout, pool_blocks: int, run: int, multinode: bool
 
         def publish(self, rid: str, num_blocks: int, seed: int):
             request = Request(rid, [1] * (num_blocks * layout.block_size), SamplingParams())
-            request.kv_transfer_params = {"do_remote_decode": True}
+            request.kv_transfer_params = KVTransferParams.remote_decode()
             request.num_computed_tokens = request.num_prompt_tokens
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             block_ids = shuffled_runs(num_blocks, run, pool_blocks, seed)
@@ -120,7 +121,7 @@ def make_actors(ray, layout: Layout, pool_blocks: int, run: int, multinode: bool
 
         def load(self, published: dict, seed: int) -> dict:
             params = published["params"]
-            num_tokens = params["num_tokens"]
+            num_tokens = params.num_tokens
             request = Request(f"d-{seed}", [1] * (num_tokens + 1), SamplingParams(), None, None)
             request.kv_transfer_params = params
             del published, params  # the connector holds the only reference from here on

@@ -7,9 +7,10 @@ model run) moves the bytes. The names mirror vLLM v1's KV and EC connectors.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -34,29 +35,78 @@ class HeadShardedKV(Protocol):
         """Store `blocks` [count, *block_shape] from block `start` on."""
 
 
+class KVHandle:
+    """What a consumer needs to read the KV one producer published. Each connector
+    subclasses it with a frozen dataclass of its own; the handle travels inside
+    `KVTransferParams` across Ray as it is (never as a dict)."""
+
+    def released(self) -> KVHandle:
+        """A copy that no longer references the published data (once a load holds it)."""
+        return self
+
+
+class KVLoadError(Exception):
+    """Why a remote KV load cannot start or did not land (the request's load fails)."""
+
+
 @dataclass(frozen=True)
 class KVTransferParams:
-    """The P->D handoff message. Serialized to a dict only at the API boundary, where
-    it travels as `kv_transfer_params`."""
+    """The P->D handoff message, from the router to P's connector, back out of P's scheduler
+    and on to D's connector, as this one type. Its public dict form (vLLM's
+    `kv_transfer_params`) exists only where JSON enters or leaves the process:
+    `from_dict` / `to_dict`."""
 
     do_remote_decode: bool = False  # set on the request sent to P
     do_remote_prefill: bool = False  # set on the request sent to D
     remote_engine_id: str | None = None  # P's engine id
     remote_request_id: str | None = None  # the request id on P
     num_tokens: int = 0  # tokens whose KV P computed (the prompt)
-    handle: Any = None  # connector-specific: what D needs to read the KV
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    handle: KVHandle | None = None  # what D needs to read the KV (connector-specific)
 
     @classmethod
-    def from_dict(cls, params: dict[str, Any] | None) -> KVTransferParams | None:
-        if params is None:
-            return None
-        unknown = set(params) - set(cls.__dataclass_fields__)
+    def remote_decode(cls) -> KVTransferParams:
+        """What a request sent to P carries: compute the prompt, keep its KV for a D."""
+        return cls(do_remote_decode=True)
+
+    def released(self) -> KVTransferParams:
+        """These params with a handle that no longer references the published data."""
+        if self.handle is None:
+            return self
+        return dataclasses.replace(self, handle=self.handle.released())
+
+    def to_dict(self) -> dict[str, object]:
+        """The public form (vLLM's `kv_transfer_params`); the handle stays an object."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, object]) -> KVTransferParams:
+        """The public form, checked: ValueError names an unknown key or a wrong type."""
+        unknown = set(params) - _PARAM_TYPES.keys()
         if unknown:
             raise ValueError(f"unknown kv_transfer_params keys: {sorted(unknown)}")
-        return cls(**params)
+        for key, value in params.items():
+            kinds = _PARAM_TYPES[key]
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+                raise ValueError(f"kv_transfer_params[{key!r}] must be {names}, got {value!r}")
+        return cls(**params)  # type: ignore[arg-type]
+
+    @classmethod
+    def of(cls, params: KVTransferParams | Mapping[str, object] | None) -> KVTransferParams | None:
+        """The typed params of `params` as a caller gave them (typed, public dict, or none)."""
+        if params is None or isinstance(params, KVTransferParams):
+            return params
+        return cls.from_dict(params)
+
+
+_PARAM_TYPES: dict[str, tuple[type, ...]] = {
+    "do_remote_decode": (bool,),
+    "do_remote_prefill": (bool,),
+    "remote_engine_id": (str, type(None)),
+    "remote_request_id": (str, type(None)),
+    "num_tokens": (int,),
+    "handle": (KVHandle, type(None)),
+}
 
 
 class KVConnectorBase(ABC):
@@ -83,7 +133,7 @@ class KVConnectorBase(ABC):
     @abstractmethod
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         """Returns (delay_free, kv_transfer_params). With delay_free the scheduler keeps the
         blocks until the request id is reported in `finished_sending`."""
 

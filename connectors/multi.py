@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase
+from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase, KVTransferParams
 from pdcluster.engine.request import Request
 
 C = TypeVar("C", bound=KVConnectorBase)
@@ -55,7 +55,7 @@ class MultiKVConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         self._claims.pop(request.request_id, None)
         delay_free, params = False, None
         for connector in self.connectors:

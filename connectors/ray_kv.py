@@ -12,14 +12,10 @@ object is dropped. An object already in this node's store (always so on one node
 finished before D heard of it) needs no transfer: its future resolves within `start_load_kv`,
 so the load lands at the very next `get_finished`.
 
-Handle (`kv_transfer_params["handle"]`), a plain dict:
-    refs          [ObjectRef]   one ref, inside a list so Ray never resolves it when the params
-                                travel as an actor-call argument
-    run_lengths   [int]         blocks per array of the object, in source block order: source
-                                block i lives in the array whose runs cover i
-    block_shape   [int]         [num_layers, 2, block_size, num_kv_heads, head_dim]
-    dtype         str           the pool's torch dtype, e.g. "torch.float32"
-    nbytes        int           bytes of the object's arrays
+The handoff is one `KVTransferParams` whose handle is a `RayKVHandle`: the object's ref, its
+run lengths (blocks per array of the object, in source block order: source block i lives in
+the array whose runs cover i), the block shape, dtype and size. Params a consumer cannot read
+fail the load with a `KVLoadError`, which is logged and reported through `get_failed_loads`.
 """
 
 from __future__ import annotations
@@ -36,7 +32,12 @@ import ray
 import torch
 from ray.exceptions import RayError
 
-from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase, KVTransferParams
+from pdcluster.connectors.base import (
+    HeadShardedKV,
+    KVConnectorBase,
+    KVLoadError,
+    KVTransferParams,
+)
 from pdcluster.connectors.ray_kv_layout import BlockArrays, Latency, RayKVHandle, plan_segments
 from pdcluster.engine.request import Request, RequestStatus
 
@@ -70,13 +71,13 @@ class RayKVLoad:
     request_id: str
     remote_engine_id: str
     remote_request_id: str
-    ref: Any
+    ref: ray.ObjectRef | None  # None once landed or failed: the object is no longer held
     segments: list[tuple[int, int, int, int]]
     nbytes: int
     num_tokens: int = 0
     started_s: float = 0.0
     ready_s: float = 0.0  # not reported finished before (a simulated link's arrival)
-    future: Any = None
+    future: concurrent.futures.Future | None = None
 
 
 @dataclass
@@ -88,24 +89,16 @@ class RayKVConnectorMetadata:
 
 @dataclass
 class _PendingSend:
-    ref: Any
+    ref: ray.ObjectRef
     deadline_s: float
     nbytes: int
-
-
-@dataclass
-class _Remote:
-    """Validated remote-prefill parameters of one consumer request."""
-
-    params: KVTransferParams
-    handle: RayKVHandle
 
 
 class _ActorAckSender:
     """Default ack path: the producer is a named actor called `remote_engine_id`."""
 
     def __init__(self) -> None:
-        self._actors: dict[str, Any] = {}
+        self._actors: dict[str, ray.actor.ActorHandle] = {}
 
     def __call__(self, remote_engine_id: str, remote_request_id: str) -> None:
         actor = self._actors.get(remote_engine_id)
@@ -180,12 +173,12 @@ class RayKVConnector(KVConnectorBase):
     # ---- producer --------------------------------------------------------------------------
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         self._claimed.discard(request.request_id)
         if not self.is_producer or request.status not in _SENDABLE:
             return False, None
         params = request.kv_transfer_params
-        if not isinstance(params, dict) or not params.get("do_remote_decode"):
+        if params is None or not params.do_remote_decode:
             return False, None
         num_tokens = request.num_computed_tokens
         num_blocks = -(-num_tokens // self.block_size)
@@ -198,14 +191,13 @@ class RayKVConnector(KVConnectorBase):
             )
             return False, None
         handle = self._publish(request.request_id, list(block_ids[:num_blocks]))
-        out = KVTransferParams(
+        return True, KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,
             remote_request_id=request.request_id,
             num_tokens=num_tokens,
-        ).to_dict()
-        out["handle"] = handle.to_dict()  # not through asdict: it would deep-copy the ref
-        return True, out
+            handle=handle,
+        )
 
     def _publish(self, request_id: str, block_ids: list[int]) -> RayKVHandle:
         """One ray.put of the blocks' runs; the ref is held until ack, lease or cancel."""
@@ -268,21 +260,21 @@ class RayKVConnector(KVConnectorBase):
     ) -> tuple[int | None, bool]:
         if not self.is_consumer or request.request_id in self._claimed:
             return 0, False
-        remote = self._parse_remote(request)
-        if remote is None:
-            return 0, False
-        if isinstance(remote, str):  # malformed: allocate a token so the failure is reported
+        try:
+            handle = self._remote_handle(request)
+        except KVLoadError:  # allocate a token so that the failure is reported
             return max(1, request.num_tokens - 1 - num_computed_tokens), True
-        num_new = remote.params.num_tokens - num_computed_tokens
+        if handle is None:
+            return 0, False
+        params = request.kv_transfer_params
+        num_new = params.num_tokens - num_computed_tokens
         if num_new > 0:
             return num_new, True
         # Our prefix cache already holds every token P computed: nothing to read, so let P
         # free its blocks now rather than at its lease.
         self._claimed.add(request.request_id)
-        request.kv_transfer_params = _without_refs(request.kv_transfer_params)
-        self._ack(
-            request.request_id, remote.params.remote_engine_id, remote.params.remote_request_id
-        )
+        request.kv_transfer_params = params.released()
+        self._ack(request.request_id, params.remote_engine_id, params.remote_request_id)
         return 0, False
 
     def update_state_after_alloc(
@@ -291,61 +283,51 @@ class RayKVConnector(KVConnectorBase):
         rid = request.request_id
         if num_external_tokens <= 0 or not self.is_consumer or rid in self._claimed:
             return
-        remote = self._parse_remote(request)
-        if remote is None:
-            return
-        self._claimed.add(rid)
-        load = (
-            remote
-            if isinstance(remote, str)
-            else self._plan_load(rid, remote, block_ids, num_external_tokens)
-        )
-        if isinstance(load, str):
-            logger.warning("request %r: remote KV load failed: %s", rid, load)
-            self._failed.add(rid)
-            self._counters["num_failed_loads"] += 1
-        else:
-            self._new_loads.append(load)
+        try:
+            handle = self._remote_handle(request)
+            if handle is None:
+                return
+            self._claimed.add(rid)
+            self._new_loads.append(self._plan_load(request, handle, block_ids, num_external_tokens))
+        except KVLoadError as e:
+            self._claimed.add(rid)
+            self._fail(rid, e)
         # The load now holds the only reference on this side; the request keeps its params.
-        request.kv_transfer_params = _without_refs(request.kv_transfer_params)
+        request.kv_transfer_params = request.kv_transfer_params.released()
 
-    def _parse_remote(self, request: Request) -> _Remote | str | None:
-        """None: not a remote-prefill request for this connector; str: why it is malformed."""
-        raw = request.kv_transfer_params
-        if not isinstance(raw, dict) or not raw.get("do_remote_prefill"):
+    def _remote_handle(self, request: Request) -> RayKVHandle | None:
+        """The checked handle of a request that reads its prompt's KV from a producer; None
+        for any other request. KVLoadError when its params cannot be read."""
+        params = request.kv_transfer_params
+        if params is None or not params.do_remote_prefill:
             return None
-        if raw.get("handle") is None:
+        if params.handle is None:
             logger.warning("request %r: do_remote_prefill without a handle", request.request_id)
             return None
-        try:
-            params = KVTransferParams.from_dict(raw)
-            handle = RayKVHandle.from_dict(params.handle)
-        except (TypeError, ValueError) as e:
-            return f"malformed kv_transfer_params: {e}"
-        return _check_remote(params, handle, request, self.block_size, self._expected_layout())
+        return _checked_handle(params, request, self.block_size, self._expected_layout())
 
     def _expected_layout(self) -> tuple[tuple[int, ...], str] | None:
         return None if self._blocks is None else self._blocks.layout
 
     def _plan_load(
-        self, rid: str, remote: _Remote, block_ids: list[int], num_external: int
-    ) -> RayKVLoad | str:
+        self, request: Request, handle: RayKVHandle, block_ids: list[int], num_external: int
+    ) -> RayKVLoad:
         """Map the source blocks of tokens [start, num_tokens) onto this request's blocks."""
-        num_tokens = remote.params.num_tokens
+        params = request.kv_transfer_params
+        num_tokens = params.num_tokens
         start = num_tokens - num_external  # tokens already computed here (whole blocks)
         if start < 0 or start % self.block_size:
-            return f"remote load starts at token {start}, not at a block boundary"
+            raise KVLoadError(f"remote load starts at token {start}, not at a block boundary")
         first, end = start // self.block_size, -(-num_tokens // self.block_size)
         if len(block_ids) < end:
-            return f"{len(block_ids)} blocks allocated, {end} needed"
-        segments = plan_segments(remote.handle.run_lengths, first, list(block_ids[first:end]))
-        nbytes = remote.handle.nbytes * (end - first) // remote.handle.num_blocks
-        params = remote.params
+            raise KVLoadError(f"{len(block_ids)} blocks allocated, {end} needed")
+        segments = plan_segments(handle.run_lengths, first, list(block_ids[first:end]))
+        nbytes = handle.nbytes * (end - first) // handle.num_blocks
         return RayKVLoad(
-            rid,
+            request.request_id,
             params.remote_engine_id,
             params.remote_request_id,
-            remote.handle.ref,
+            handle.ref,
             segments,
             nbytes,
             num_tokens=num_external,
@@ -386,7 +368,8 @@ class RayKVConnector(KVConnectorBase):
                         finished_recving.add(rid)
             elif now - load.started_s > self.load_timeout_s:
                 del self._inflight[rid]
-                self._fail(load, f"no result within {self.load_timeout_s} s")
+                load.future = load.ref = None
+                self._fail(rid, KVLoadError(f"no result within {self.load_timeout_s} s"))
         return finished_sending, finished_recving
 
     def _land(self, load: RayKVLoad) -> bool:
@@ -395,7 +378,7 @@ class RayKVConnector(KVConnectorBase):
             arrays = load.future.result()
             self._block_arrays().copy_in(arrays, load.segments)
         except (RayError, ValueError, TypeError, IndexError, RuntimeError) as e:
-            self._fail(load, f"{type(e).__name__}: {e}")
+            self._fail(load.request_id, KVLoadError(f"{type(e).__name__}: {e}"))
             return False
         finally:
             load.future = load.ref = arrays = None  # drop every reference to the object
@@ -411,10 +394,9 @@ class RayKVConnector(KVConnectorBase):
         except Exception as e:  # the producer's lease frees its blocks without the ack
             logger.warning("request %r: ack to %r failed: %s", request_id, remote_engine_id, e)
 
-    def _fail(self, load: RayKVLoad, reason: str) -> None:
-        logger.warning("request %r: remote KV load failed: %s", load.request_id, reason)
-        load.future = load.ref = None
-        self._failed.add(load.request_id)
+    def _fail(self, request_id: str, error: KVLoadError) -> None:
+        logger.warning("request %r: remote KV load failed: %s", request_id, error)
+        self._failed.add(request_id)
         self._counters["num_failed_loads"] += 1
 
     def get_failed_loads(self) -> set[str]:
@@ -446,32 +428,32 @@ class RayKVConnector(KVConnectorBase):
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-def _check_remote(
+def _checked_handle(
     params: KVTransferParams,
-    handle: RayKVHandle,
     request: Request,
     block_size: int,
     layout: tuple[tuple[int, ...], str] | None,
-) -> _Remote | str:
-    """Cross-field checks of validated params against this request and pool."""
+) -> RayKVHandle:
+    """The params' handle, checked field by field and against this request and pool."""
+    handle = params.handle
+    if not isinstance(handle, RayKVHandle):
+        raise KVLoadError(f"handle must be a RayKVHandle, got {type(handle).__name__}")
+    handle.check()
     if not isinstance(params.remote_engine_id, str) or not params.remote_engine_id:
-        return "remote_engine_id must be a non-empty string"
+        raise KVLoadError("remote_engine_id must be a non-empty string")
     if not isinstance(params.remote_request_id, str) or not params.remote_request_id:
-        return "remote_request_id must be a non-empty string"
+        raise KVLoadError("remote_request_id must be a non-empty string")
     num_tokens = params.num_tokens
     if not isinstance(num_tokens, int) or not 0 < num_tokens <= request.num_tokens:
-        return f"num_tokens {num_tokens!r} not in [1, {request.num_tokens}]"
+        raise KVLoadError(f"num_tokens {num_tokens!r} not in [1, {request.num_tokens}]")
     if handle.block_shape[2] != block_size:
-        return f"producer block size {handle.block_shape[2]} != consumer block size {block_size}"
+        raise KVLoadError(
+            f"producer block size {handle.block_shape[2]} != consumer block size {block_size}"
+        )
     if handle.num_blocks != -(-num_tokens // block_size):
-        return f"{handle.num_blocks} published blocks do not hold {num_tokens} tokens"
+        raise KVLoadError(f"{handle.num_blocks} published blocks do not hold {num_tokens} tokens")
     if layout is not None and (handle.block_shape, handle.dtype) != layout:
-        return f"producer block layout {handle.block_shape} {handle.dtype} != ours {layout}"
-    return _Remote(params, handle)
-
-
-def _without_refs(params: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A copy of the params whose handle no longer references the object."""
-    if not isinstance(params, dict) or not isinstance(params.get("handle"), dict):
-        return params
-    return {**params, "handle": {**params["handle"], "refs": []}}
+        raise KVLoadError(
+            f"producer block layout {handle.block_shape} {handle.dtype} != ours {layout}"
+        )
+    return handle

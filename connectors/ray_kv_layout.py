@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
 import torch
+
+from pdcluster.connectors.base import KVHandle, KVLoadError
 
 if TYPE_CHECKING:
     from pdcluster.connectors.base import HeadShardedKV
@@ -20,49 +22,43 @@ _RAW_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # ---- the handle --------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class RayKVHandle:
-    """What a consumer needs to read one published request (see the module docstring)."""
+class RayKVHandle(KVHandle):
+    """What a consumer needs to read one published request (see `connectors.ray_kv`). The
+    ref is a field of a dataclass, never an argument of its own, so Ray does not resolve it
+    when the params travel inside an actor call."""
 
-    ref: Any  # ray.ObjectRef of a list of arrays [run_len, *block_shape]
-    run_lengths: tuple[int, ...]
-    block_shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
+    ref: ray.ObjectRef | None  # of a list of arrays [run_len, *block_shape]; None once released
+    run_lengths: tuple[int, ...]  # blocks per array, in source block order
+    block_shape: tuple[int, ...]  # [num_layers, 2, block_size, num_kv_heads, head_dim]
+    dtype: str  # the pool's torch dtype, e.g. "torch.float32"
+    nbytes: int  # bytes of the object's arrays
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "refs": [self.ref],
-            "run_lengths": list(self.run_lengths),
-            "block_shape": list(self.block_shape),
-            "dtype": self.dtype,
-            "nbytes": self.nbytes,
-        }
+    def released(self) -> RayKVHandle:
+        return replace(self, ref=None)
 
-    @classmethod
-    def from_dict(cls, handle: Any) -> RayKVHandle:
-        """Raises ValueError on anything malformed."""
-        if not isinstance(handle, dict):
-            raise ValueError(f"handle must be a dict, got {type(handle).__name__}")
-        refs = handle.get("refs")
-        if not isinstance(refs, list) or len(refs) != 1 or not isinstance(refs[0], ray.ObjectRef):
-            raise ValueError("handle['refs'] must be a list of one ObjectRef")
-        run_lengths = _int_tuple(handle.get("run_lengths"), "run_lengths")
-        block_shape = _int_tuple(handle.get("block_shape"), "block_shape")
-        if not run_lengths or len(block_shape) != 5:
-            raise ValueError("handle needs run_lengths and a 5-dim block_shape")
-        if not isinstance(handle.get("dtype"), str) or not isinstance(handle.get("nbytes"), int):
-            raise ValueError("handle needs a dtype string and an integer nbytes")
-        return cls(refs[0], run_lengths, block_shape, handle["dtype"], handle["nbytes"])
+    def check(self) -> None:
+        """KVLoadError on anything malformed."""
+        if not isinstance(self.ref, ray.ObjectRef):
+            raise KVLoadError(f"handle ref must be an ObjectRef, got {type(self.ref).__name__}")
+        _check_ints(self.run_lengths, "run_lengths")
+        _check_ints(self.block_shape, "block_shape")
+        if len(self.block_shape) != 5:
+            raise KVLoadError(f"handle block_shape {self.block_shape} is not 5-dimensional")
+        if not isinstance(self.dtype, str) or not isinstance(self.nbytes, int):
+            raise KVLoadError("handle needs a dtype string and an integer nbytes")
 
     @property
     def num_blocks(self) -> int:
         return sum(self.run_lengths)
 
 
-def _int_tuple(value: Any, name: str) -> tuple[int, ...]:
-    if not isinstance(value, list | tuple) or not all(isinstance(v, int) and v > 0 for v in value):
-        raise ValueError(f"handle[{name!r}] must be a list of positive ints")
-    return tuple(value)
+def _check_ints(value: object, name: str) -> None:
+    if (
+        not isinstance(value, tuple)
+        or not value
+        or not all(isinstance(v, int) and v > 0 for v in value)
+    ):
+        raise KVLoadError(f"handle {name} must be a non-empty tuple of positive ints")
 
 
 def numpy_compatible(pool: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ import numpy as np
 import ray
 from ray.exceptions import RayError
 
-from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase
+from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase, KVTransferParams
 from pdcluster.connectors.kv_pool_index import PoolHit, PoolPublish
 from pdcluster.connectors.ray_kv import LOCAL_RESOLVE_TIMEOUT_S
 from pdcluster.connectors.ray_kv_layout import BlockArrays, Latency, plan_segments
@@ -282,7 +282,7 @@ class RayKVPoolConnector(KVConnectorBase):
     # ---- publish ----------------------------------------------------------------------------
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         rid = request.request_id
         self._drop_hit(rid)
         self._asking.pop(rid, None)
@@ -292,8 +292,8 @@ class RayKVPoolConnector(KVConnectorBase):
             return False, None
         if first is None:  # never looked up here: on D, P published the prompt's full blocks
             params = request.kv_transfer_params
-            remote = isinstance(params, dict) and params.get("do_remote_prefill")
-            first = params.get("num_tokens", 0) // self.block_size if remote else 0
+            remote = params is not None and params.do_remote_prefill
+            first = params.num_tokens // self.block_size if remote else 0
         num_full = min(
             request.num_computed_tokens // self.block_size,
             len(request.block_hashes),

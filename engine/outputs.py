@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcluster.connectors.base import KVTransferParams
 from pdcluster.engine.request import MultiModalFeature
 from pdcluster.engine.sampling_params import SamplingParams
 
@@ -116,7 +117,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
     stop_reason: int | str | None = None
     error: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # a prefill's handoff to its D
     num_cached_tokens: int = 0
     # Seconds the request waited on this instance before it was first scheduled; set on
     # the first output with tokens from each instance that queued it.

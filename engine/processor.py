@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from pdcluster.connectors.base import KVTransferParams
 from pdcluster.engine.models.loader import ModelInfo
 from pdcluster.engine.multimodal import (
     ImageProcessor,
@@ -41,7 +42,7 @@ class InputProcessor:
         request_id: str,
         prompt: PromptType,
         params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> Request:

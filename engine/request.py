@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from pdcluster.connectors.base import KVTransferParams
 from pdcluster.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: Iterable[int] | None = (),
         mm_features: list[MultiModalFeature] | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | Mapping[str, object] | None = None,
         arrival_time: float | None = None,
         num_prior_output_tokens: int = 0,
         prior_output_text: str | None = None,
@@ -106,7 +107,9 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids or ())  # the model's stop tokens, all of them
         self.mm_features = sorted(mm_features or [], key=lambda f: f.offset)
-        self.kv_transfer_params = kv_transfer_params
+        # The P->D handoff. vLLM's public dict form ({"do_remote_decode": True}) is
+        # converted here, once: inside the cluster it travels as KVTransferParams.
+        self.kv_transfer_params = KVTransferParams.of(kv_transfer_params)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # The last this-many prompt tokens were generated before this instance took the
         # request over (a D continues after P's first token): penalties count them as output.

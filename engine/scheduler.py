@@ -10,7 +10,8 @@ goes to the front of `waiting`; under priority, whichever queue's head has the s
 (priority, arrival) key, `running` is served in that order too, and so its tail, the one
 preempted when blocks run out, is the worst-priority request (vLLM's rule). A
 pass ahead of that (`schedule_remote_loads`) parks new remote-KV requests so that their loads
-start, and may land, before the step's batch is chosen.
+start, and may land, before the step's batch is chosen. With a KV connector, a `RemoteKV`
+(engine.remote_kv) keeps the remote-KV state: parked loads, aborted loads, delayed frees.
 
 Each step a request's `num_computed_tokens` advances by its scheduled tokens when it is
 scheduled; `update_from_output` appends sampled tokens and checks stop conditions.
@@ -34,24 +35,24 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from pdcluster.connectors.base import ECConnectorBase, KVConnectorBase
+from pdcluster.connectors.base import ECConnectorBase, KVConnectorBase, KVTransferParams
 from pdcluster.engine.config import CacheConfig, SchedulerConfig
 from pdcluster.engine.encoder_cache_manager import EncoderCacheManager
 from pdcluster.engine.kv_cache_manager import KVCacheManager
 from pdcluster.engine.outputs import (
     EngineCoreOutput,
+    KVConnectorOutput,
     NewRequestData,
     RunnerOutput,
     SchedulerOutput,
     TopLogprobs,
 )
+from pdcluster.engine.remote_kv import RemoteKV
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.request_queue import RequestQueue, create_request_queue, priority_key
-from pdcluster.engine.scheduler_kv import RemoteKV
 from pdcluster.engine.scheduler_step import (
-    SCHEDULED,
-    SKIP,
-    STOP,
+    Lookup,
+    Outcome,
     StepState,
     add_prompt_logprobs,
     check_mm_fits,
@@ -65,7 +66,7 @@ from pdcluster.engine.scheduler_step import (
 )
 
 
-class Scheduler(RemoteKV):
+class Scheduler:
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -90,13 +91,13 @@ class Scheduler(RemoteKV):
         self.skipped_waiting: RequestQueue = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
-        # KV consumer: request id -> num_computed_tokens once its async load lands.
-        self._remote_loads: dict[str, int] = {}
-        self._aborted_recving: set[str] = set()  # finished, blocks held until the load lands
-        self._no_remote_kv: set[str] = set()  # loaded or failed once: never ask again
-        self._publish_after_step: list[str] = []  # admitted with a synchronous remote load
-        # KV producer: finished, blocks held until `finished_sending`.
-        self._pending_sends: set[str] = set()
+        self.remote_kv = (
+            None
+            if kv_connector is None
+            else RemoteKV(
+                kv_connector, self.kv_cache_manager, scheduler_config.kv_load_failure_policy
+            )
+        )
         # Since start, across all requests: preemptions, prompt tokens of requests that
         # produced their first token here, tokens generated.
         self.num_preemptions = 0
@@ -139,18 +140,17 @@ class Scheduler(RemoteKV):
         return self.has_unfinished_requests() or self.has_finished_requests()
 
     def stats(self) -> dict[str, int]:
-        kv = self.kv_cache_manager
+        kv, remote = self.kv_cache_manager, self.remote_kv
+        parked = RequestStatus.WAITING_FOR_REMOTE_KVS
         return {
             "num_blocks_total": kv.num_blocks_total,
             "num_blocks_free": kv.get_num_free_blocks(),
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_deferred": len(self.skipped_waiting),
-            "num_pending_sends": len(self._pending_sends),
-            "num_pending_recvs": sum(
-                1 for r in self.skipped_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-            )
-            + len(self._aborted_recving),
+            "num_pending_sends": 0 if remote is None else remote.num_pending_sends,
+            "num_pending_recvs": sum(1 for r in self.skipped_waiting if r.status == parked)
+            + (0 if remote is None else remote.num_aborted_loads),
             "num_preemptions": self.num_preemptions,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
@@ -164,7 +164,8 @@ class Scheduler(RemoteKV):
     def schedule(self) -> SchedulerOutput:
         cfg = self.scheduler_config
         st = StepState(cfg.max_num_batched_tokens, cfg.encoder_compute_budget)
-        self._publish_after_step = []  # a step that raised never reached update_from_output
+        if self.remote_kv is not None:
+            self.remote_kv.begin_step()
         self._schedule_running(st)
         if not st.preempted_req_ids:
             self._schedule_waiting(st)
@@ -181,7 +182,7 @@ class Scheduler(RemoteKV):
         Blocks go in the order `schedule()` gives them: the pass stops at the first request
         that is not such a load, does nothing while a deferred request may still need blocks,
         and leaves one free block per running request (a decode needs at most one a step)."""
-        if self.kv_connector is None or not self.waiting:
+        if self.remote_kv is None or not self.waiting:
             return None
         kv = self.kv_cache_manager
         if any(r.request_id not in kv.req_to_blocks for r in self.skipped_waiting):
@@ -190,16 +191,11 @@ class Scheduler(RemoteKV):
         while self.waiting and len(self.running) < self.scheduler_config.max_num_seqs:
             request = self.waiting.peek_request()
             found = self._lookup(request)
-            if found is None:
+            if found is None or not found.parks:
                 break
-            computed_blocks, num_computed, num_external, load_async = found
-            num_blocks = -(-request.num_tokens // kv.block_size) - len(computed_blocks)
-            if (
-                not load_async
-                or num_external <= 0
-                or kv.get_num_free_blocks() - num_blocks < len(self.running)
-                or self._start_remote_load(request, computed_blocks, num_computed, num_external)
-                == STOP
+            num_blocks = -(-request.num_tokens // kv.block_size) - len(found.computed_blocks)
+            if kv.get_num_free_blocks() - num_blocks < len(self.running) or not self._park(
+                request, found
             ):
                 break
             self.skipped_waiting.add_request(self.waiting.pop_request())
@@ -226,7 +222,8 @@ class Scheduler(RemoteKV):
                 num_new = budget
             enc = None
             if request.mm_features:
-                num_new, enc = plan_encoder_inputs(request, num_computed, num_new, st, *self._enc)
+                enc = plan_encoder_inputs(request, num_computed, num_new, st, *self._enc)
+                num_new = enc.num_new
                 if num_new <= 0:
                     continue
             new_blocks = allocate(request, num_new)
@@ -283,82 +280,76 @@ class Scheduler(RemoteKV):
                 waiting if waiting and (not skipped or waiting.goes_before(skipped)) else skipped
             )
             outcome = self._try_schedule_waiting(queue.peek_request(), st)
-            if outcome == STOP:
+            if outcome is Outcome.STOP:
                 break
             request = queue.pop_request()
-            if outcome == SKIP:
+            if outcome is Outcome.SKIP:
                 st.step_skipped.append(request)
         self.skipped_waiting.prepend_requests(st.step_skipped)
 
-    def _try_schedule_waiting(self, request: Request, st: StepState) -> int:
+    def _try_schedule_waiting(self, request: Request, st: StepState) -> Outcome:
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return SKIP
+            return Outcome.SKIP
         found = self._lookup(request)
         if found is None:
-            return SKIP
-        computed_blocks, num_computed, num_external, load_async = found
-        if load_async and num_external > 0:
-            return self._start_remote_load(request, computed_blocks, num_computed, num_external)
-        return self._admit(request, computed_blocks, num_computed, num_external, st)
+            return Outcome.SKIP
+        if found.parks:
+            return Outcome.SKIP if self._park(request, found) else Outcome.STOP
+        return self._admit(request, found, st)
 
-    def _lookup(self, request: Request) -> tuple[list, int, int, bool] | None:
-        """What a waiting request finds: (prefix-cache blocks, tokens computed with them,
-        tokens the KV connector adds, whether that load is asynchronous). None when it must
-        wait: the KV connector does not know yet, or the EC connector defers it."""
+    def _lookup(self, request: Request) -> Lookup | None:
+        """What a waiting request finds in the prefix cache and the KV connector. None when
+        it must wait: the KV connector does not know yet, or the EC connector defers it."""
         kv = self.kv_cache_manager
-        has_blocks = request.request_id in kv.req_to_blocks  # a landed remote load
-        computed_blocks, num_computed = [], request.num_computed_tokens
+        found = Lookup([], request.num_computed_tokens)
         needs_prompt_logits = needs_prompt_logits_here(request)
-        if not has_blocks and not needs_prompt_logits:
-            computed_blocks, num_computed = kv.get_computed_blocks(request)
-        num_external, load_async = 0, False
-        if self._may_load_remote_kv(request, has_blocks) and not needs_prompt_logits:
-            num_external, load_async = self.kv_connector.get_num_new_matched_tokens(
-                request, num_computed
-            )
+        if request.request_id not in kv.req_to_blocks and not needs_prompt_logits:
+            found.computed_blocks, found.num_computed = kv.get_computed_blocks(request)
+        if self.remote_kv is not None and not needs_prompt_logits:
+            num_external, found.load_async = self.remote_kv.match(request, found.num_computed)
             if num_external is None:
                 return None
-            if not load_async:  # loaded during the step: at least the last token is computed
-                num_external = min(num_external, request.num_tokens - 1 - num_computed)
+            if not found.load_async:  # loaded during the step: the last token is computed here
+                num_external = min(num_external, request.num_tokens - 1 - found.num_computed)
+            found.num_external = num_external
         ec = self.ec_connector
         if (
             ec is not None
             and request.mm_features
-            and not ec.ensure_cache_available(request, num_computed + num_external)
+            and not ec.ensure_cache_available(request, found.num_computed + found.num_external)
         ):
             return None
-        return computed_blocks, num_computed, num_external, load_async
+        return found
 
-    def _admit(
-        self,
-        request: Request,
-        computed_blocks: list,
-        num_computed: int,
-        num_external: int,
-        st: StepState,
-    ) -> int:
+    def _park(self, request: Request, found: Lookup) -> bool:
+        """Blocks for the whole prompt, then WAITING_FOR_REMOTE_KVS until the load lands."""
+        return self.remote_kv.park(
+            request, found.computed_blocks, found.num_computed, found.num_external
+        )
+
+    def _admit(self, request: Request, found: Lookup, st: StepState) -> Outcome:
         """Schedule a waiting request's next chunk: encoder inputs, blocks, bookkeeping."""
-        start = num_computed + num_external
+        start = found.num_computed + found.num_external
         num_new = min(request.num_tokens - start, st.token_budget)
         enc = None
         if request.mm_features:
-            num_new, enc = plan_encoder_inputs(request, start, num_new, st, *self._enc)
+            enc = plan_encoder_inputs(request, start, num_new, st, *self._enc)
+            num_new = enc.num_new
         kv = self.kv_cache_manager
         new_blocks = None
         if num_new > 0:
-            num_hit = num_computed - request.num_computed_tokens  # 0 after a remote load
-            new_blocks = kv.allocate_slots(request, num_new, num_hit, computed_blocks, num_external)
+            num_hit = found.num_computed - request.num_computed_tokens  # 0 after a remote load
+            new_blocks = kv.allocate_slots(
+                request, num_new, num_hit, found.computed_blocks, found.num_external
+            )
         if new_blocks is None:
             self.encoder_cache_manager.free(request)  # references taken while planning
-            return STOP
+            return Outcome.STOP
         if enc is not None:
             commit_encoder_inputs(request, enc, st, *self._enc)
-        if self.kv_connector is not None and request.request_id not in self._no_remote_kv:
-            block_ids = kv.get_block_ids(request.request_id)
-            self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
-        if num_external:  # loaded while the step runs: publish once it ran
-            self._publish_after_step.append(request.request_id)
-        else:
+        if self.remote_kv is not None:
+            self.remote_kv.admitted(request, found.num_external)
+        if not found.num_external:  # else loaded while the step runs: published once it ran
             kv.cache_blocks(request, start + num_new)
         request.num_computed_tokens = start
         if request.num_cached_tokens < 0:  # first scheduled
@@ -366,7 +357,7 @@ class Scheduler(RemoteKV):
             request.queue_time_s = time.monotonic() - request.queued_time
         self._record_admitted(request, st)
         st.record(request, num_new)
-        return SCHEDULED
+        return Outcome.SCHEDULED
 
     def _record_admitted(self, request: Request, st: StepState) -> None:
         rid = request.request_id
@@ -424,8 +415,8 @@ class Scheduler(RemoteKV):
         requests = self.requests
         running_status = RequestStatus.RUNNING
         num_stopped = 0
-        if self._publish_after_step:
-            self._publish_loaded_blocks(scheduler_output)
+        if self.remote_kv is not None:
+            self.remote_kv.publish_loaded_blocks(scheduler_output)
         for rid in scheduler_output.num_scheduled_tokens:
             request = requests.get(rid)
             if request is None or request.status != running_status:
@@ -448,8 +439,29 @@ class Scheduler(RemoteKV):
             outputs.append(output)
         if num_stopped:
             self.running = [r for r in self.running if r.status == running_status]
-        if runner_output.kv_connector_output is not None:
+        if runner_output.kv_connector_output is not None and self.remote_kv is not None:
             outputs.extend(self._update_from_kv_output(runner_output.kv_connector_output))
+        return outputs
+
+    def _update_from_kv_output(self, kv_output: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """Free what the connector no longer needs; end the requests whose load failed."""
+        events = self.remote_kv.update(kv_output, self.requests)
+        for request in events.to_free:
+            self._free_request(request)
+        self.skipped_waiting.remove_requests(events.failed)
+        outputs = []
+        for request in events.failed:
+            params = self._finish(request)
+            outputs.append(
+                EngineCoreOutput(
+                    request.request_id,
+                    [],
+                    finish_reason="error",
+                    error=request.error,
+                    kv_transfer_params=params,
+                    unavailable=True,  # the KV's producer is gone or late: elsewhere it may do
+                )  # fmt: skip
+            )
         return outputs
 
     def _append_tokens(
@@ -494,18 +506,14 @@ class Scheduler(RemoteKV):
             output.kv_transfer_params = self._finish(request)
         return output
 
-    def _finish(self, request: Request) -> dict | None:
+    def _finish(self, request: Request) -> KVTransferParams | None:
         """A request just reached a finished status (already out of every queue). Frees its
         blocks unless the KV connector delays that; returns its kv_transfer_params."""
-        rid = request.request_id
-        self.finished_req_ids.add(rid)
+        self.finished_req_ids.add(request.request_id)
         delay_free, params = False, None
-        if self.kv_connector is not None:
-            block_ids = self.kv_cache_manager.get_block_ids(rid)
-            delay_free, params = self.kv_connector.request_finished(request, block_ids)
-        if delay_free:
-            self._pending_sends.add(rid)
-        else:
+        if self.remote_kv is not None:
+            delay_free, params = self.remote_kv.request_finished(request)
+        if not delay_free:
             self._free_request(request)
         return params
 
@@ -514,10 +522,8 @@ class Scheduler(RemoteKV):
         self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
         del self.requests[rid]
-        self._remote_loads.pop(rid, None)
-        self._no_remote_kv.discard(rid)
-        self._pending_sends.discard(rid)
-        self._aborted_recving.discard(rid)
+        if self.remote_kv is not None:
+            self.remote_kv.forget(rid)
 
     # ---- aborts and external stops ----------------------------------------------------
     def finish_requests(
@@ -534,8 +540,8 @@ class Scheduler(RemoteKV):
             if request is None:
                 continue
             if request.is_finished():
-                if rid in self._pending_sends:  # finished on P, KV not yet read: free now
-                    self._free_request(request)
+                if self.remote_kv is not None and self.remote_kv.is_sending(rid):
+                    self._free_request(request)  # finished on P, KV not yet read: free now
                 continue  # aborted while loading: blocks wait for the load to land
             to_finish.append(request)
         if not to_finish:
@@ -548,7 +554,7 @@ class Scheduler(RemoteKV):
             was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             request.status = finished_status
             if was_loading:
-                self._aborted_recving.add(request.request_id)
+                self.remote_kv.abort_load(request.request_id)
                 self.finished_req_ids.add(request.request_id)
             else:
                 self._finish(request)

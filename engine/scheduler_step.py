@@ -1,5 +1,5 @@
-"""Helpers of the scheduler: one step's running state, encoder admission, stop checks, and
-the checks and load figures of its requests.
+"""Helpers of the scheduler: one step's running state, what trying a waiting request finds
+and comes to, encoder admission, stop checks, and the checks and load figures of its requests.
 
 Kept apart from `engine.scheduler` so that each module reads in one sitting; only the
 scheduler calls these.
@@ -7,16 +7,49 @@ scheduler calls these.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from pdcluster.connectors.base import ECConnectorBase
+from pdcluster.engine.block_pool import KVCacheBlock
 from pdcluster.engine.config import SchedulerConfig
 from pdcluster.engine.encoder_cache_manager import EncoderCacheManager
 from pdcluster.engine.outputs import CachedRequestData, NewRequestData, PromptLogprobs
 from pdcluster.engine.request import Request, RequestStatus
 
-SCHEDULED, SKIP, STOP = 0, 1, 2  # outcome of trying one waiting request
-EncoderPlan = tuple[list[int], list[int]]  # (feature indices to encode, indices to load)
+
+class Outcome(enum.Enum):
+    """What became of one waiting request the scheduler tried this step."""
+
+    SCHEDULED = enum.auto()  # admitted: it runs this step
+    SKIP = enum.auto()  # passed over (deferred, or parked for its remote KV): the next is tried
+    STOP = enum.auto()  # its blocks do not fit: no later request is tried this step
+
+
+@dataclass
+class Lookup:
+    """What a waiting request finds before it is scheduled."""
+
+    computed_blocks: list[KVCacheBlock]  # prefix-cache hits
+    num_computed: int  # tokens computed with them (or before, by a landed load)
+    num_external: int = 0  # tokens the KV connector adds
+    load_async: bool = False  # whether it loads them while other requests step
+
+    @property
+    def parks(self) -> bool:
+        """Whether the request waits for an asynchronous load before it runs."""
+        return self.load_async and self.num_external > 0
+
+
+@dataclass
+class EncoderPlan:
+    """A request's encoder inputs for its next chunk of `num_new` tokens: the features
+    (indices into its mm_features) to encode here, and those to load from the EC connector."""
+
+    num_new: int
+    to_compute: list[int] = field(default_factory=list)
+    to_load: list[int] = field(default_factory=list)
 
 
 class StepState:
@@ -82,7 +115,7 @@ def plan_encoder_inputs(
     st: StepState,
     cache: EncoderCacheManager,
     ec_connector: ECConnectorBase | None,
-) -> tuple[int, EncoderPlan]:
+) -> EncoderPlan:
     """Features overlapping [num_computed, num_computed + num_new) that are not cached yet
     (cached ones are referenced now). A feature the EC connector holds is loaded: cache space
     but no compute budget. Where one does not fit, num_new is cut to end before its
@@ -109,7 +142,7 @@ def plan_encoder_inputs(
         num_embeds += f.length
         if not is_remote:
             budget -= f.length
-    return num_new, (to_compute, to_load)
+    return EncoderPlan(num_new, to_compute, to_load)
 
 
 def commit_encoder_inputs(
@@ -120,13 +153,12 @@ def commit_encoder_inputs(
     ec_connector: ECConnectorBase | None,
 ) -> None:
     """Take cache space for a planned request that was scheduled."""
-    to_compute, to_load = plan
-    for i in to_compute:
+    for i in plan.to_compute:
         cache.allocate(request, i)
         st.encoder_budget -= request.mm_features[i].length
-    if to_compute:
-        st.encoder_inputs[request.request_id] = to_compute
-    for i in to_load:
+    if plan.to_compute:
+        st.encoder_inputs[request.request_id] = plan.to_compute
+    for i in plan.to_load:
         cache.allocate(request, i)
         ec_connector.update_state_after_alloc(request, i)
 

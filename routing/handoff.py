@@ -11,8 +11,8 @@ draws by position), and their text as text already sent (stop strings, held-back
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
+from pdcluster.connectors.base import KVTransferParams
 from pdcluster.engine.request import Request
 from pdcluster.engine.sampling_params import SamplingParams
 
@@ -28,7 +28,7 @@ def for_prefill(request: Request) -> Request:
     """P computes the prompt and one token, then holds the KV for D."""
     params = dataclasses.replace(request.sampling_params, max_tokens=1, min_tokens=0)
     return _copy(
-        request, request.prompt_token_ids, params, {"do_remote_decode": True},
+        request, request.prompt_token_ids, params, KVTransferParams.remote_decode(),
         request.num_prior_output_tokens, request.prior_output_text,
     )  # fmt: skip
 
@@ -36,7 +36,7 @@ def for_prefill(request: Request) -> Request:
 def for_decode(
     request: Request,
     first_token: int,
-    kv_transfer_params: dict[str, Any],
+    kv_transfer_params: KVTransferParams,
     first_text: str = "",
 ) -> Request:
     """D continues after P's first token (whose text was `first_text`), reading the prompt's
@@ -82,7 +82,7 @@ def _copy(
     request: Request,
     prompt: list[int],
     params: SamplingParams,
-    kv_transfer_params: dict[str, Any] | None,
+    kv_transfer_params: KVTransferParams | None,
     num_prior_output_tokens: int = 0,
     prior_output_text: str | None = None,
     request_id: str | None = None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pdcluster.connectors.base import ECConnectorBase, KVConnectorBase
+from pdcluster.connectors.base import ECConnectorBase, KVConnectorBase, KVTransferParams
 from pdcluster.engine.config import CacheConfig, SchedulerConfig
 from pdcluster.engine.outputs import (
     EngineCoreOutput,
@@ -61,7 +61,7 @@ def make_requests(
     prompt_token_ids: list[int] | None = None,
     mm_features: list[MultiModalFeature] | None = None,
     eos_token_id: int | None = EOS,
-    kv_transfer_params: dict[str, Any] | None = None,
+    kv_transfer_params: KVTransferParams | None = None,
     cache_salt: str | None = None,
     priority: int = 0,
     **sampling_kwargs: Any,
@@ -209,11 +209,13 @@ class FakeKVConnector(KVConnectorBase):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, KVTransferParams | None]:
         self.finished.append((request.request_id, list(block_ids)))
         if not self.delay_free or request.get_finished_reason() == "abort":
             return False, None
-        return True, {"remote_request_id": request.request_id, "num_tokens": request.num_tokens}
+        return True, KVTransferParams(
+            remote_request_id=request.request_id, num_tokens=request.num_tokens
+        )
 
     def start_load_kv(self, metadata: Any) -> None:
         pass

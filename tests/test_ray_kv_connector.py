@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -9,8 +10,9 @@ import time
 import pytest
 import torch
 
+from pdcluster.connectors.base import KVHandle, KVTransferParams
 from pdcluster.connectors.ray_kv import RayKVConnector
-from pdcluster.connectors.ray_kv_layout import consecutive_runs, plan_segments
+from pdcluster.connectors.ray_kv_layout import RayKVHandle, consecutive_runs, plan_segments
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampling_params import SamplingParams
 from tests.cluster_utils import our_objects_in_store, wait_until
@@ -27,7 +29,9 @@ def make_pool(num_blocks: int, seed: int | None = None, dtype=torch.float32) -> 
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def make_request(rid: str, num_tokens: int, params: dict | None = None) -> Request:
+def make_request(
+    rid: str, num_tokens: int, params: KVTransferParams | dict | None = None
+) -> Request:
     return Request(rid, list(range(num_tokens)), SamplingParams(max_tokens=1), None, None, params)
 
 
@@ -83,6 +87,10 @@ def load(
     return outcome, recving, failed
 
 
+def with_handle(params: KVTransferParams, **changes) -> KVTransferParams:
+    return dataclasses.replace(params, handle=dataclasses.replace(params.handle, **changes))
+
+
 def drain_sends(producer: RayKVConnector, rounds: int = 3) -> list[str]:
     """Every finished_sending report over a few get_finished calls, duplicates kept."""
     reported: list[str] = []
@@ -105,10 +113,10 @@ def test_round_trip_copies_exact_bytes_into_scattered_blocks(ray, num_computed):
     num_prompt = 4 * BLOCK_SIZE - 2  # partial last block
     src_blocks = [7, 8, 2, 3]  # two runs on P
     delay_free, params = producer.request_finished(finished_prefill("p1", num_prompt), src_blocks)
-    assert delay_free and params["do_remote_prefill"] and params["num_tokens"] == num_prompt
-    assert params["remote_engine_id"] == "prefill-0" and params["remote_request_id"] == "p1"
-    assert params["handle"]["run_lengths"] == [2, 2]
-    object_id = params["handle"]["refs"][0].hex()
+    assert delay_free and params.do_remote_prefill and params.num_tokens == num_prompt
+    assert params.remote_engine_id == "prefill-0" and params.remote_request_id == "p1"
+    assert isinstance(params.handle, RayKVHandle) and params.handle.run_lengths == (2, 2)
+    object_id = params.handle.ref.hex()
 
     dst_blocks = [5, 1, 2, 9, 0]  # non-contiguous; one spare block for the decode
     request = make_request("d1", num_prompt + 1, params)
@@ -126,7 +134,7 @@ def test_round_trip_copies_exact_bytes_into_scattered_blocks(ray, num_computed):
     untouched = set(range(dst_pool.shape[0])) - set(dst_blocks[first:4])
     assert all(not dst_pool[b].any() for b in untouched)
     assert ack_log.acks == [("prefill-0", "p1")]
-    assert request.kv_transfer_params["handle"]["refs"] == []  # the load held the only ref
+    assert request.kv_transfer_params.handle.ref is None  # the load held the only ref
 
     assert drain_sends(producer) == ["p1"]
     stats = producer.stats()
@@ -171,7 +179,7 @@ def test_bf16_pool_round_trip(ray):
 def test_duplicate_and_unknown_acks_are_ignored(ray):
     producer = make_producer()
     _, params = producer.request_finished(finished_prefill("p1", 5), [0, 1])
-    object_id = params["handle"]["refs"][0].hex()
+    object_id = params.handle.ref.hex()
     del params
     acker = threading.Thread(target=lambda: [producer.ack("p1") for _ in range(2)])
     acker.start()  # acks arrive on the actor's RPC thread
@@ -188,7 +196,7 @@ def test_duplicate_and_unknown_acks_are_ignored(ray):
 def test_lease_expiry_without_ack_then_late_ack_ignored(ray):
     producer = make_producer(lease_s=0.05)
     _, params = producer.request_finished(finished_prefill("p1", 5), [3, 4])
-    object_id = params["handle"]["refs"][0].hex()
+    object_id = params.handle.ref.hex()
     del params
     assert producer.get_finished(set()) == (set(), set())  # lease still running
     time.sleep(0.1)
@@ -205,7 +213,7 @@ def test_cancel_sends_reports_once_and_frees(ray):
     producer = make_producer()
     _, params_a = producer.request_finished(finished_prefill("a", 5), [0, 1])
     _, params_b = producer.request_finished(finished_prefill("b", 5), [2, 3])
-    object_id = params_a["handle"]["refs"][0].hex()
+    object_id = params_a.handle.ref.hex()
     del params_a
     producer.cancel_sends(["a", "unknown"])
     # Dropped at once, even if the step loop is idle; reported at the next get_finished.
@@ -214,7 +222,7 @@ def test_cancel_sends_reports_once_and_frees(ray):
     assert drain_sends(producer) == ["a"]
     producer.ack("a")  # a consumer that read before the cancel: ignored
     assert drain_sends(producer) == []
-    assert params_b["handle"]["refs"][0].hex() in our_objects_in_store()
+    assert params_b.handle.ref.hex() in our_objects_in_store()
     assert producer.has_pending() and not producer.needs_polling()  # "b" awaits its ack
     producer.ack("b")
     assert producer.has_pending()  # released, not yet reported: the step loop must poll
@@ -237,9 +245,9 @@ def test_load_whose_owner_died_fails_without_ack(ray, caplog):
     _, params = producer.request_finished(finished_prefill("p1", 6), [0, 1])
     block_shape = (2, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     publisher = Publisher.remote()
-    params["handle"]["refs"] = ray.get(publisher.publish.remote(block_shape))
+    ref = ray.get(publisher.publish.remote(block_shape))[0]
+    params = with_handle(params, ref=ref)
     ray.kill(publisher)
-    ref = params["handle"]["refs"][0]
     # The owner's death has been processed once its object is gone from the local store.
     assert wait_until(lambda: not ray.wait([ref], timeout=0, fetch_local=True)[0])
 
@@ -264,7 +272,7 @@ def test_load_timeout_fails(ray):
     slow = Slow.remote()
     producer = make_producer()
     _, params = producer.request_finished(finished_prefill("p1", 6), [0, 1])
-    params["handle"]["refs"] = [slow.never_soon.remote()]
+    params = with_handle(params, ref=slow.never_soon.remote())
     ack_log = AckLog()
     consumer = make_consumer(ack_log, load_timeout_s=0.2)
     outcome, recving, failed = load(consumer, make_request("d1", 7, params), [3, 4])
@@ -275,17 +283,18 @@ def test_load_timeout_fails(ray):
 @pytest.mark.parametrize(
     "corrupt",
     [
-        lambda p: p["handle"].update(refs="not-a-list"),
-        lambda p: p["handle"].update(run_lengths=[1]),  # 1 block cannot hold 6 tokens
-        lambda p: p["handle"].update(block_shape=[2, 2, 8, 2, 8]),  # other block size
-        lambda p: p.update(num_tokens="six"),
-        lambda p: p.update(unexpected_key=1),
+        lambda p: with_handle(p, ref="not-a-ref"),
+        lambda p: with_handle(p, run_lengths=(1,)),  # 1 block cannot hold 6 tokens
+        lambda p: with_handle(p, block_shape=(2, 2, 8, 2, 8)),  # other block size
+        lambda p: dataclasses.replace(p, num_tokens="six"),
+        lambda p: dataclasses.replace(p, remote_engine_id=""),
+        lambda p: dataclasses.replace(p, handle=KVHandle()),  # another connector's handle
     ],
 )
 def test_malformed_params_fail_the_load_without_crashing(ray, corrupt):
     producer = make_producer()
     _, params = producer.request_finished(finished_prefill("p1", 6), [0, 1])
-    corrupt(params)
+    params = corrupt(params)
     ack_log = AckLog()
     consumer = make_consumer(ack_log)
     request = make_request("d1", 7, params)
@@ -296,6 +305,19 @@ def test_malformed_params_fail_the_load_without_crashing(ray, corrupt):
     assert consumer.get_finished(set()) == (set(), set())
     assert consumer.get_failed_loads() == {"d1"}
     assert consumer.get_failed_loads() == set() and ack_log.acks == []
+
+
+def test_public_dict_form_is_checked_once_at_the_boundary():
+    """vLLM's dict form converts to the typed params when the request is built; an unknown
+    key or a wrong type is refused there, naming it."""
+    request = make_request("p", 6, {"do_remote_decode": True})
+    assert request.kv_transfer_params == KVTransferParams.remote_decode()
+    with pytest.raises(ValueError, match="unexpected_key"):
+        make_request("p", 6, {"do_remote_decode": True, "unexpected_key": 1})
+    with pytest.raises(ValueError, match="num_tokens"):
+        make_request("d", 7, {"do_remote_prefill": True, "num_tokens": "six"})
+    params = KVTransferParams(do_remote_prefill=True, remote_engine_id="p", num_tokens=4)
+    assert KVTransferParams.from_dict(params.to_dict()) == params
 
 
 # ---- requests that are not remote ------------------------------------------------------------
@@ -326,7 +348,7 @@ def test_non_remote_requests_are_left_alone(ray):
 def test_shutdown_drops_everything(ray):
     producer = make_producer()
     _, params = producer.request_finished(finished_prefill("p1", 6), [0, 1])
-    object_id = params["handle"]["refs"][0].hex()
+    object_id = params.handle.ref.hex()
     del params
     producer.shutdown()
     assert producer.stats()["num_pending_sends"] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdcluster.connectors.base import KVTransferParams
 from pdcluster.engine.outputs import KVConnectorOutput, RunnerOutput
 from pdcluster.engine.request import RequestStatus
 from tests.scheduler_utils import (
@@ -339,7 +340,7 @@ def test_producer_delays_free_until_finished_sending():
     assert so.kv_connector_metadata == {"step": 1}
     (out,) = outs
     assert out.finish_reason == "length"
-    assert out.kv_transfer_params == {"remote_request_id": "req0", "num_tokens": 11}
+    assert out.kv_transfer_params == KVTransferParams(remote_request_id="req0", num_tokens=11)
     assert kv.finished == [("req0", s.kv_cache_manager.get_block_ids("req0"))]
     assert s.kv_cache_manager.get_num_free_blocks() == 64 - 3
     assert s.has_requests() and s.has_finished_requests() and not s.has_unfinished_requests()
