@@ -45,24 +45,25 @@ from pdcluster.engine.outputs import (
     NewRequestData,
     RunnerOutput,
     SchedulerOutput,
-    TopLogprobs,
 )
 from pdcluster.engine.remote_kv import RemoteKV
 from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.request_queue import RequestQueue, create_request_queue, priority_key
+from pdcluster.engine.scheduler_output import (
+    add_prompt_logprobs,
+    append_tokens,
+    load_failed_output,
+)
 from pdcluster.engine.scheduler_step import (
     Lookup,
     Outcome,
     StepState,
-    add_prompt_logprobs,
     check_mm_fits,
-    check_stop,
     commit_encoder_inputs,
     free_consumed_encoder_inputs,
     load_figures,
-    needs_prompt_logits_here,
+    lookup,
     plan_encoder_inputs,
-    take_prompt_logprobs,
 )
 
 
@@ -209,7 +210,6 @@ class Scheduler:
         kv = self.kv_cache_manager
         allocate = kv.allocate_slots
         block_size = kv.block_size if kv.enable_caching else 0
-        cached = st.cached_reqs
         num_scheduled = st.num_scheduled_tokens
         budget = st.token_budget
         i = 0
@@ -234,10 +234,8 @@ class Scheduler:
             if enc is not None:
                 commit_encoder_inputs(request, enc, st, *self._enc)
             rid = request.request_id
-            cached.req_ids.append(rid)
-            cached.resumed_from_preemption.append(False)
-            cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else None)
-            cached.num_computed_tokens.append(num_computed)
+            new_block_ids = [b.block_id for b in new_blocks] if new_blocks else None
+            st.add_cached(rid, False, new_block_ids, num_computed)
             num_scheduled[rid] = num_new
             request.num_computed_tokens = num_computed + num_new
             if block_size and (num_computed + num_new) // block_size != num_computed // block_size:
@@ -298,28 +296,7 @@ class Scheduler:
         return self._admit(request, found, st)
 
     def _lookup(self, request: Request) -> Lookup | None:
-        """What a waiting request finds in the prefix cache and the KV connector. None when
-        it must wait: the KV connector does not know yet, or the EC connector defers it."""
-        kv = self.kv_cache_manager
-        found = Lookup([], request.num_computed_tokens)
-        needs_prompt_logits = needs_prompt_logits_here(request)
-        if request.request_id not in kv.req_to_blocks and not needs_prompt_logits:
-            found.computed_blocks, found.num_computed = kv.get_computed_blocks(request)
-        if self.remote_kv is not None and not needs_prompt_logits:
-            num_external, found.load_async = self.remote_kv.match(request, found.num_computed)
-            if num_external is None:
-                return None
-            if not found.load_async:  # loaded during the step: the last token is computed here
-                num_external = min(num_external, request.num_tokens - 1 - found.num_computed)
-            found.num_external = num_external
-        ec = self.ec_connector
-        if (
-            ec is not None
-            and request.mm_features
-            and not ec.ensure_cache_available(request, found.num_computed + found.num_external)
-        ):
-            return None
-        return found
+        return lookup(request, self.kv_cache_manager, self.remote_kv, self.ec_connector)
 
     def _park(self, request: Request, found: Lookup) -> bool:
         """Blocks for the whole prompt, then WAITING_FOR_REMOTE_KVS until the load lands."""
@@ -363,10 +340,7 @@ class Scheduler:
         rid = request.request_id
         block_ids = self.kv_cache_manager.get_block_ids(rid)
         if request.status == RequestStatus.PREEMPTED:
-            st.cached_reqs.req_ids.append(rid)
-            st.cached_reqs.resumed_from_preemption.append(True)
-            st.cached_reqs.new_block_ids.append(block_ids)
-            st.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+            st.add_cached(rid, True, block_ids, request.num_computed_tokens)
         else:
             st.new_reqs.append(
                 NewRequestData(
@@ -427,15 +401,20 @@ class Scheduler:
             i = index_of.get(rid)
             if i is None or not sampled[i]:
                 continue  # partial prefill: no token
-            output = self._append_tokens(
+            if not request.output_token_ids:
+                self.num_prompt_tokens += request.num_prompt_tokens
+            output = append_tokens(
                 request,
                 sampled[i],
                 logprobs[i] if logprobs else None,
                 top_logprobs[i] if top_logprobs else None,
                 rid in runner_output.grammar_done_req_ids,
+                self.max_model_len,
             )
-            if output.finish_reason is not None:
+            self.num_generation_tokens += len(output.new_token_ids)
+            if output.finished:
                 num_stopped += 1
+                output.kv_transfer_params = self._finish(request)
             outputs.append(output)
         if num_stopped:
             self.running = [r for r in self.running if r.status == running_status]
@@ -449,62 +428,7 @@ class Scheduler:
         for request in events.to_free:
             self._free_request(request)
         self.skipped_waiting.remove_requests(events.failed)
-        outputs = []
-        for request in events.failed:
-            params = self._finish(request)
-            outputs.append(
-                EngineCoreOutput(
-                    request.request_id,
-                    [],
-                    finish_reason="error",
-                    error=request.error,
-                    kv_transfer_params=params,
-                    unavailable=True,  # the KV's producer is gone or late: elsewhere it may do
-                )  # fmt: skip
-            )
-        return outputs
-
-    def _append_tokens(
-        self,
-        request: Request,
-        token_ids: list[int],
-        logprobs: list[float] | None,
-        top_logprobs: list[TopLogprobs] | None,
-        grammar_done: bool,
-    ) -> EngineCoreOutput:
-        """`grammar_done`: the request's grammar is complete after the last of `token_ids`."""
-        prompt_lps = None
-        if not request.output_token_ids:
-            self.num_prompt_tokens += request.num_prompt_tokens
-            prompt_lps = take_prompt_logprobs(request)
-        new_token_ids = token_ids
-        status = None
-        for j, token_id in enumerate(token_ids):
-            request.output_token_ids.append(token_id)
-            if logprobs:
-                request.output_logprobs.append(logprobs[j])
-            done = grammar_done and j == len(token_ids) - 1
-            status = check_stop(request, token_id, self.max_model_len, done)
-            if status is not None:
-                new_token_ids = token_ids[: j + 1]
-                break
-        output = EngineCoreOutput(
-            request.request_id,
-            new_token_ids,
-            logprobs[: len(new_token_ids)] if logprobs else None,
-            top_logprobs[: len(new_token_ids)] if top_logprobs else None,
-            prompt_logprobs=prompt_lps,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            queue_time_s=request.queue_time_s,
-        )
-        request.queue_time_s = None
-        self.num_generation_tokens += len(new_token_ids)
-        if status is not None:
-            request.status = status
-            output.finish_reason = request.get_finished_reason()
-            output.stop_reason = request.stop_reason
-            output.kv_transfer_params = self._finish(request)
-        return output
+        return [load_failed_output(r, self._finish(r)) for r in events.failed]
 
     def _finish(self, request: Request) -> KVTransferParams | None:
         """A request just reached a finished status (already out of every queue). Frees its

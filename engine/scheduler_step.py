@@ -1,5 +1,5 @@
 """Helpers of the scheduler: one step's running state, what trying a waiting request finds
-and comes to, encoder admission, stop checks, and the checks and load figures of its requests.
+and comes to, encoder admission, and the checks and load figures of its requests.
 
 Kept apart from `engine.scheduler` so that each module reads in one sitting; only the
 scheduler calls these.
@@ -10,13 +10,18 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdcluster.connectors.base import ECConnectorBase
 from pdcluster.engine.block_pool import KVCacheBlock
 from pdcluster.engine.config import SchedulerConfig
 from pdcluster.engine.encoder_cache_manager import EncoderCacheManager
-from pdcluster.engine.outputs import CachedRequestData, NewRequestData, PromptLogprobs
-from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.engine.outputs import CachedRequestData, NewRequestData
+from pdcluster.engine.request import Request
+
+if TYPE_CHECKING:
+    from pdcluster.engine.kv_cache_manager import KVCacheManager
+    from pdcluster.engine.remote_kv import RemoteKV
 
 
 class Outcome(enum.Enum):
@@ -78,6 +83,16 @@ class StepState:
         self.preempted_req_ids: set[str] = set()
         self.step_skipped: list[Request] = []  # passed over this step, order kept
 
+    def add_cached(
+        self, req_id: str, resumed: bool, new_block_ids: list[int] | None, num_computed: int
+    ) -> None:
+        """A request the runner holds, scheduled again (see CachedRequestData)."""
+        cached = self.cached_reqs
+        cached.req_ids.append(req_id)
+        cached.resumed_from_preemption.append(resumed)
+        cached.new_block_ids.append(new_block_ids)
+        cached.num_computed_tokens.append(num_computed)
+
     def record(self, request: Request, num_new: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_new
         self.total_num_scheduled_tokens += num_new
@@ -85,27 +100,32 @@ class StepState:
         request.num_computed_tokens += num_new
 
 
-def check_stop(
-    request: Request, token_id: int, max_model_len: int, grammar_done: bool = False
-) -> RequestStatus | None:
-    """The finished status `token_id` (just appended) puts the request in, if any. Stop
-    strings are not checked here: the engine core's detokenizer calls finish_requests.
-    A complete grammar (`grammar_done`) stops the request: it allows no further token."""
-    params = request.sampling_params
-    if grammar_done:
-        return RequestStatus.FINISHED_STOPPED
-    num_output = len(request.output_token_ids)
-    if num_output >= params.min_tokens:
-        if token_id in request.eos_token_ids and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-    if num_output + len(request.prompt_token_ids) >= max_model_len or (
-        params.max_tokens is not None and num_output >= params.max_tokens
+def lookup(
+    request: Request,
+    kv: KVCacheManager,
+    remote_kv: RemoteKV | None,
+    ec: ECConnectorBase | None,
+) -> Lookup | None:
+    """What a waiting request finds in the prefix cache and the KV connector. None when
+    it must wait: the KV connector does not know yet, or the EC connector defers it."""
+    found = Lookup([], request.num_computed_tokens)
+    needs_prompt_logits = needs_prompt_logits_here(request)
+    if request.request_id not in kv.req_to_blocks and not needs_prompt_logits:
+        found.computed_blocks, found.num_computed = kv.get_computed_blocks(request)
+    if remote_kv is not None and not needs_prompt_logits:
+        num_external, found.load_async = remote_kv.match(request, found.num_computed)
+        if num_external is None:
+            return None
+        if not found.load_async:  # loaded during the step: the last token is computed here
+            num_external = min(num_external, request.num_tokens - 1 - found.num_computed)
+        found.num_external = num_external
+    if (
+        ec is not None
+        and request.mm_features
+        and not ec.ensure_cache_available(request, found.num_computed + found.num_external)
     ):
-        return RequestStatus.FINISHED_LENGTH_CAPPED
-    return None
+        return None
+    return found
 
 
 def plan_encoder_inputs(
@@ -176,24 +196,6 @@ def needs_prompt_logits_here(request: Request) -> bool:
     """Whether the request's prompt must be computed here at every position (for its prompt
     logprobs), rather than read from the prefix cache or a KV connector."""
     return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids
-
-
-def add_prompt_logprobs(request: Request, chunk: PromptLogprobs | None) -> None:
-    """Keep a prefill chunk's prompt logprobs until the request's first output."""
-    if chunk is None:
-        return
-    if request.prompt_logprobs is None:
-        request.prompt_logprobs = PromptLogprobs()
-    request.prompt_logprobs.extend(chunk)
-
-
-def take_prompt_logprobs(request: Request) -> PromptLogprobs | None:
-    """For the request's first output: its prompt logprobs, when it asked for them (a
-    one-token prompt has none)."""
-    if request.sampling_params.prompt_logprobs is None:
-        return None
-    found, request.prompt_logprobs = request.prompt_logprobs, None
-    return found or PromptLogprobs()
 
 
 def check_mm_fits(request: Request, config: SchedulerConfig, has_ec_connector: bool) -> None:
