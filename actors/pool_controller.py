@@ -42,6 +42,10 @@ ON_HEAD = {HEAD_RESOURCE: 0.001}  # never on a worker an autoscaler may remove
 STATS_TIMEOUT_S = 5.0  # a planner round's stats call per instance
 
 
+class PlacementTimeout(RuntimeError):
+    """New instances found no room (no node had their resources free) in time."""
+
+
 class PoolController:
     """Wrap with `ray.remote(PoolController)`, named `<pool>-controller`."""
 

@@ -34,7 +34,7 @@ class Target:
     topology: str | None = None  # e.g. 1P1D, when known
     config_path: str | None = None
     cluster: Any = (
-        None  # cluster.control.launch.Cluster for a launched topology (Python API access)
+        None  # cluster.client.Cluster for a launched topology (Python API access)
     )
     api_key: str | None = None
 

@@ -246,25 +246,29 @@ def _scale_over_http(url: str, api_key: str | None, role: str, count: int) -> li
 def _scale_on_ray(
     address: str, pool: str | None, namespace: str, role: str, count: int
 ) -> list[str]:
-    import ray
+    import asyncio
 
+    from pdcluster.actors.pool_client import PoolClient, actor_names
     from pdcluster.cluster.config import RaySettings
     from pdcluster.cluster.control.launch import init_ray
+    from pdcluster.cluster.control.pool import controller_name
 
     init_ray(RaySettings(address=address, namespace=namespace))
-    controllers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                   if a["namespace"] == namespace and a["name"].endswith("-controller")]  # fmt: skip
+    suffix = controller_name("")
+    controllers = [n for n in actor_names(namespace) if n.endswith(suffix)]
     if pool is None and len(controllers) != 1:
         raise ValueError(f"name the pool with --pool; controllers found: {controllers or 'none'}")
-    name = f"{pool}-controller" if pool else controllers[0]
+    pool = pool or controllers[0].removesuffix(suffix)
+    client = PoolClient.find(pool, controller_name(pool), namespace)
+    if client is None:
+        name = controller_name(pool)
+        raise ValueError(f"no pool controller {name!r} in namespace {namespace!r}")
     try:
-        controller = ray.get_actor(name, namespace=namespace)
+        members = asyncio.run(client.scale(role, count))
     except ValueError:
-        raise ValueError(f"no pool controller {name!r} in namespace {namespace!r}") from None
-    try:
-        members = ray.get(controller.scale.remote(role, count))
-    except ray.exceptions.RayTaskError as exc:
-        raise ValueError(str(exc.cause)) from None
+        raise
+    except Exception as exc:  # noqa: BLE001 - no room (PlacementTimeout), or the controller's
+        raise ValueError(str(getattr(exc, "cause", None) or exc)) from None
     return sorted(i for i, r in members.items() if r == role)
 
 

@@ -40,7 +40,7 @@ from pdcluster.engine.processor import PromptType
 from pdcluster.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pdcluster.cluster.control.launch import Cluster
+    from pdcluster.cluster.client import Cluster
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 INT_FIELDS = ("max_tokens", "top_k", "seed", "min_tokens")
@@ -399,7 +399,7 @@ def _positive_int(text: str) -> int:
 
 def load_config(path: str, address: str | None) -> ClusterConfig:
     """The topology config, joined to `address` when given (else the config's address, else
-    RAY_ADDRESS as `ray job submit` sets it: see cluster.control.launch.init_ray)."""
+    RAY_ADDRESS as `ray job submit` sets it: see actors/ray_runtime.py)."""
     config = ClusterConfig.from_yaml(path)
     if not address:
         return config

@@ -23,8 +23,9 @@ from fastapi import FastAPI
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdcluster.cluster.api.app import create_app
+from pdcluster.cluster.client import Cluster
 from pdcluster.cluster.config import ClusterConfig, GatewaySettings
-from pdcluster.cluster.control.launch import Cluster, launch
+from pdcluster.cluster.control.launch import launch
 
 
 def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:

@@ -10,10 +10,10 @@ import signal
 import socket
 from types import FrameType
 
-import ray
-
+from pdcluster.actors.ray_runtime import kill_quietly
+from pdcluster.cluster.client import Cluster
 from pdcluster.cluster.config import ClusterConfig
-from pdcluster.cluster.control.launch import Cluster, launch
+from pdcluster.cluster.control.launch import launch
 from pdcluster.cluster.replicas import (
     GRACEFUL_SHUTDOWN_S,
     gateway_app,
@@ -48,7 +48,7 @@ def serve(config: ClusterConfig) -> None:
         host, port = sock.getsockname()[:2]
         logger.info("starting %s with model %s", config.topology_name(), config.model or "default")
         cluster = None
-        replicas: list[ray.actor.ActorHandle] = []
+        replicas: list = []  # the other gateway replicas' actors
         try:
             stop_on_sigterm()
             cluster = launch(config)
@@ -65,8 +65,7 @@ def serve(config: ClusterConfig) -> None:
             logger.info("stopping")
         finally:
             for replica in replicas:
-                with contextlib.suppress(ray.exceptions.RayError):
-                    ray.kill(replica, no_restart=True)
+                kill_quietly(replica)
             if cluster is not None:
                 cluster.shutdown()
                 logger.info("stopped")

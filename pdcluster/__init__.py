@@ -32,7 +32,7 @@ if not os.path.isdir(os.path.join(__path__[0], "engine")) and os.path.isfile(
 
 # public name -> module that defines it
 _EXPORTS = {
-    "Cluster": "pdcluster.cluster.control.launch",
+    "Cluster": "pdcluster.cluster.client",
     "ClusterConfig": "pdcluster.cluster.config",
     "LLM": "engine",
     "SamplingParams": "engine",

@@ -16,8 +16,9 @@ from PIL import Image
 from pdcluster.actors.front import pull_object_ids
 from pdcluster.actors.kv_pool import kv_pool_actor_name
 from pdcluster.actors.messages import InstanceStats
+from pdcluster.cluster.client import Cluster
 from pdcluster.cluster.config import ClusterConfig
-from pdcluster.cluster.control.launch import Cluster, launch
+from pdcluster.cluster.control.launch import launch
 from pdcluster.engine import SamplingParams
 from pdcluster.engine.llm import RequestOutput, merge_output, new_request_output
 from pdcluster.engine.request import Request

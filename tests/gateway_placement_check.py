@@ -50,8 +50,9 @@ def check(model_dir: str, cluster) -> dict[str, Any]:
     import ray
     from ray import serve
 
+    from pdcluster.actors.pool_controller import HEAD_RESOURCE
     from pdcluster.cluster.config import ClusterConfig, GatewaySettings
-    from pdcluster.cluster.control.launch import HEAD_RESOURCE, shutdown_pool
+    from pdcluster.cluster.control.launch import shutdown_pool
     from pdcluster.cluster.replicas import replica_node, start_replicas
     from pdcluster.cluster.serve_app import build_app
     from tests.cluster_utils import SMALL_ENGINE, wait_until

@@ -69,11 +69,11 @@ def test_gateway_and_ray_flags_land_in_their_sections():
 
 
 def test_migration_limit_flag_and_yaml_reach_the_router(tmp_path):
-    from pdcluster.cluster.control.launch import _router_config
+    from pdcluster.cluster.client import router_config
     from pdcluster.routing.policy import DEFAULT_MIGRATION_LIMIT
 
     assert serve_config().router.migration_limit == DEFAULT_MIGRATION_LIMIT == 3
-    assert _router_config(serve_config("--migration-limit", "0")).migration_limit == 0
+    assert router_config(serve_config("--migration-limit", "0")).migration_limit == 0
     path = tmp_path / "t.yaml"
     path.write_text("mixed: {count: 1}\nrouter: {migration_limit: 5}\n")
     assert serve_config("--config", str(path)).router.migration_limit == 5
@@ -138,11 +138,13 @@ def test_serve_help_shows_examples(capsys):
 
 
 def test_facade_package_exports_the_public_api():
+    from pdcluster.cluster.client import Cluster
     from pdcluster.cluster.config import ClusterConfig
     from pdcluster.cluster.control.launch import launch
     from pdcluster.engine import LLM, SamplingParams
 
     assert pdcluster.ClusterConfig is ClusterConfig and pdcluster.launch is launch
+    assert pdcluster.Cluster is Cluster
     assert pdcluster.LLM is LLM and pdcluster.SamplingParams is SamplingParams
     with pytest.raises(AttributeError):
         _ = pdcluster.nothing_here

@@ -21,8 +21,9 @@ from pdcluster.benchmarks.workload import (
     token_prompt,
     trace_workload,
 )
+from pdcluster.cluster.client import Cluster
 from pdcluster.cluster.config import ClusterConfig
-from pdcluster.cluster.control.launch import Cluster, launch
+from pdcluster.cluster.control.launch import launch
 from pdcluster.cluster.replicas import gateway_app, start_replicas
 from pdcluster.engine import LLM, SamplingParams
 from tests.cluster_utils import assert_clean, collect, live_object_ids, until, wait_until

@@ -44,7 +44,7 @@ IMAGE_FETCH_TIMEOUT_S = 10.0
 
 
 class ClusterClient(Protocol):
-    """What the gateway needs of a cluster (cluster.control.launch.Cluster provides it)."""
+    """What the gateway needs of a cluster (cluster.client.Cluster provides it)."""
 
     tokenizer: Tokenizer
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from pdcluster.actors.instance_base import InstanceSpec
 from pdcluster.actors.messages import InstanceStats
+from pdcluster.actors.pool_controller import PlacementTimeout
 from pdcluster.cluster.config import ROLES, ClusterConfig
 from pdcluster.cluster.control.planner import Decision, Planner, signals_from_stats
 
@@ -18,10 +19,6 @@ READY_TIMEOUT_S = 300.0  # the longest wait for the next new instance: placement
 SERVING_ROLES = ("prefill", "decode", "mixed")
 LATENCY_FRESH_S = 30.0  # replicas report every few seconds; older reports are dropped
 MAX_COUNT = 64  # instances of one role that `scale` accepts
-
-
-class PlacementTimeout(RuntimeError):
-    """New instances found no room (no node had their resources free) in time."""
 
 
 def controller_name(pool: str) -> str:

@@ -1,0 +1,147 @@
+"""The driver's side of a pool's actors: start or find its controller, ask it for members,
+scale and planner state, read the cluster KV pool, and end the pool. Thin wrappers over
+Ray calls, so that the gateway replica's client (cluster/client.py) and the launcher make
+none themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.actor import ActorHandle
+
+from pdcluster.actors.kv_pool import kv_pool_actor_name
+from pdcluster.actors.messages import KVEvents
+from pdcluster.actors.pool_controller import ON_HEAD, PlacementTimeout, PoolController
+
+if TYPE_CHECKING:  # built by the launcher above this layer and handed in
+    from pdcluster.cluster.control.pool import PoolPlan
+
+END_TIMEOUT_S = 120.0  # the controller's shutdown: drains nothing, ends every instance
+
+
+def answer_or_none(ref: ray.ObjectRef, timeout_s: float = 10.0) -> Any:
+    """The call's result, or None when it failed or took too long. The error is read off the
+    call's future, never raised: a raised error's traceback would hold the call's ref in a
+    reference cycle, keeping its object alive until the next garbage collection."""
+    future = ref.future()
+    del ref
+    try:
+        failed = future.exception(timeout=timeout_s) is not None
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        return None
+    return None if failed else future.result()
+
+
+class PoolClient:
+    """One process's handle on a pool's controller (`actor`) and its cluster KV pool."""
+
+    def __init__(self, pool: str, actor: ActorHandle) -> None:
+        self.pool = pool
+        self.actor = actor
+
+    # ---- starting, finding and ending a pool -------------------------------------------
+    @classmethod
+    def start(cls, plan: PoolPlan, controller: str, detached: bool) -> PoolClient:
+        """The pool's controller, started (or found, when another process started it)."""
+        actor = (
+            ray.remote(PoolController)
+            .options(
+                name=controller, get_if_exists=True, num_cpus=0, max_restarts=-1,
+                max_concurrency=1000, lifetime="detached" if detached else None,
+                resources=ON_HEAD,
+            )
+            .remote(plan)
+        )  # fmt: skip
+        return cls(plan.pool, actor)
+
+    @classmethod
+    def find(cls, pool: str, controller: str, namespace: str | None = None) -> PoolClient | None:
+        """The running pool's client; None when no such pool is up."""
+        try:
+            return cls(pool, ray.get_actor(controller, namespace=namespace))
+        except ValueError:
+            return None
+
+    def wait_started(self, restart_timeout_s: float) -> dict[str, str]:
+        """The pool's members once it is up (the controller bounds that: it gives up once
+        no new instance answered for its ready timeout, however long a large pool takes in
+        all); a controller that is restarting is waited for up to `restart_timeout_s`.
+        Errors the controller raised (ValueError, PlacementTimeout) are raised as they are."""
+        deadline = time.monotonic() + restart_timeout_s
+        while True:
+            try:
+                return ray.get(self.actor.start.remote())
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+            except ray.exceptions.RayTaskError as exc:
+                raise _cause(exc) from None
+
+    def end(self, timeout_s: float = END_TIMEOUT_S, quiet: bool = False) -> None:
+        """End the pool (its instances, KV pool and membership) and its controller. `quiet`:
+        a controller that is gone or failing is simply killed."""
+        try:
+            ray.get(self.actor.shutdown.remote(), timeout=timeout_s)
+        except ray.exceptions.RayError:
+            if not quiet:
+                raise
+        ray.kill(self.actor, no_restart=True)
+
+    # ---- the control plane (never on a request's path) ---------------------------------
+    def members_or_none(self) -> dict[str, str] | None:
+        """instance id -> role; None when the controller does not answer."""
+        return answer_or_none(self.actor.members.remote())
+
+    def report_latency(
+        self, replica_id: str, ttft_p90_ms: float | None, tpot_p90_ms: float | None
+    ) -> None:
+        self.actor.report_latency.remote(replica_id, ttft_p90_ms, tpot_p90_ms)
+
+    async def scale(self, role: str, count: int) -> dict[str, str]:
+        """See `PoolController.scale`; its ValueError or PlacementTimeout raised as it is."""
+        try:
+            return await self.actor.scale.remote(role, count)
+        except ray.exceptions.RayTaskError as exc:
+            raise _cause(exc) from None
+
+    async def planner_state(self) -> dict[str, Any]:
+        return await self.actor.planner_state.remote()
+
+    # ---- the cluster KV pool -----------------------------------------------------------
+    def kv_pool_events(self, epoch: str | None, cursor: int) -> KVEvents | None:
+        """The cluster KV pool's events after (epoch, cursor); None when it does not answer."""
+        try:
+            kv_pool = ray.get_actor(kv_pool_actor_name(self.pool))
+        except ValueError:  # not (yet) up
+            return None
+        return answer_or_none(kv_pool.events.remote(epoch, cursor))
+
+    async def kv_pool_stats(self, timeout_s: float) -> dict[str, Any] | None:
+        """The cluster KV pool's stats; None when the pool is off or does not answer within
+        `timeout_s`."""
+        try:
+            kv_pool = ray.get_actor(kv_pool_actor_name(self.pool))
+            return await asyncio.wait_for(kv_pool.stats.remote(), timeout_s)
+        except (ValueError, ray.exceptions.RayError, asyncio.TimeoutError):
+            return None
+
+
+def actor_names(namespace: str) -> list[str]:
+    """The named actors alive (or restarting) in `namespace`."""
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return [a["name"] for a in actors if a["namespace"] == namespace]
+
+
+def _cause(exc: ray.exceptions.RayTaskError) -> BaseException:
+    """The error the controller raised when it is one of the pool's own (a request that
+    cannot be, instances with no room), else Ray's."""
+    if isinstance(exc.cause, (ValueError, PlacementTimeout)):
+        return exc.cause
+    return exc
