@@ -42,7 +42,6 @@ from pdcluster.engine.kv_cache_manager import KVCacheManager
 from pdcluster.engine.outputs import (
     EngineCoreOutput,
     KVConnectorOutput,
-    NewRequestData,
     RunnerOutput,
     SchedulerOutput,
 )
@@ -55,16 +54,14 @@ from pdcluster.engine.scheduler_output import (
     load_failed_output,
 )
 from pdcluster.engine.scheduler_step import (
-    Lookup,
-    Outcome,
     StepState,
     check_mm_fits,
     commit_encoder_inputs,
     free_consumed_encoder_inputs,
     load_figures,
-    lookup,
     plan_encoder_inputs,
 )
+from pdcluster.engine.scheduler_waiting import WaitingAdmission
 
 
 class Scheduler:
@@ -99,6 +96,10 @@ class Scheduler:
                 kv_connector, self.kv_cache_manager, scheduler_config.kv_load_failure_policy
             )
         )
+        self.admission = WaitingAdmission(
+            scheduler_config, self.kv_cache_manager, self.encoder_cache_manager, ec_connector,
+            self.remote_kv, self.waiting, self.skipped_waiting, self.running,
+        )  # fmt: skip
         # Since start, across all requests: preemptions, prompt tokens of requests that
         # produced their first token here, tokens generated.
         self.num_preemptions = 0
@@ -169,39 +170,19 @@ class Scheduler:
             self.remote_kv.begin_step()
         self._schedule_running(st)
         if not st.preempted_req_ids:
-            self._schedule_waiting(st)
+            self.admission.schedule(st)
         return self._make_output(st)
 
     def schedule_remote_loads(self) -> SchedulerOutput | None:
         """A pass ahead of `schedule()` that schedules no token: it parks the requests at the
         head of `waiting` whose KV the connector loads asynchronously, just as `schedule()`
         would, and returns an empty SchedulerOutput carrying their loads (None when there
-        were none). The engine core starts them at once, so a load whose data is already on
-        this node lands in time for this step's `schedule()` to run its request, one step
-        sooner than when the load starts only after the step's batch was chosen.
-
-        Blocks go in the order `schedule()` gives them: the pass stops at the first request
-        that is not such a load, does nothing while a deferred request may still need blocks,
-        and leaves one free block per running request (a decode needs at most one a step)."""
-        if self.remote_kv is None or not self.waiting:
+        were none; see `WaitingAdmission.park_remote_loads`). The engine core starts them at
+        once, so a load whose data is already on this node lands in time for this step's
+        `schedule()` to run its request, one step sooner."""
+        if not self.admission.park_remote_loads():
             return None
-        kv = self.kv_cache_manager
-        if any(r.request_id not in kv.req_to_blocks for r in self.skipped_waiting):
-            return None
-        parked = False
-        while self.waiting and len(self.running) < self.scheduler_config.max_num_seqs:
-            request = self.waiting.peek_request()
-            found = self._lookup(request)
-            if found is None or not found.parks:
-                break
-            num_blocks = -(-request.num_tokens // kv.block_size) - len(found.computed_blocks)
-            if kv.get_num_free_blocks() - num_blocks < len(self.running) or not self._park(
-                request, found
-            ):
-                break
-            self.skipped_waiting.add_request(self.waiting.pop_request())
-            parked = True
-        return self._attach_connector_meta(SchedulerOutput.empty()) if parked else None
+        return self._attach_connector_meta(SchedulerOutput.empty())
 
     def _schedule_running(self, st: StepState) -> None:
         running = self.running
@@ -268,94 +249,6 @@ class Scheduler:
         self.waiting.prepend_request(request)
         st.preempted_req_ids.add(request.request_id)
 
-    def _schedule_waiting(self, st: StepState) -> None:
-        max_num_seqs = self.scheduler_config.max_num_seqs
-        while (self.skipped_waiting or self.waiting) and st.token_budget > 0:
-            if len(self.running) >= max_num_seqs:
-                break
-            waiting, skipped = self.waiting, self.skipped_waiting
-            queue = (
-                waiting if waiting and (not skipped or waiting.goes_before(skipped)) else skipped
-            )
-            outcome = self._try_schedule_waiting(queue.peek_request(), st)
-            if outcome is Outcome.STOP:
-                break
-            request = queue.pop_request()
-            if outcome is Outcome.SKIP:
-                st.step_skipped.append(request)
-        self.skipped_waiting.prepend_requests(st.step_skipped)
-
-    def _try_schedule_waiting(self, request: Request, st: StepState) -> Outcome:
-        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            return Outcome.SKIP
-        found = self._lookup(request)
-        if found is None:
-            return Outcome.SKIP
-        if found.parks:
-            return Outcome.SKIP if self._park(request, found) else Outcome.STOP
-        return self._admit(request, found, st)
-
-    def _lookup(self, request: Request) -> Lookup | None:
-        return lookup(request, self.kv_cache_manager, self.remote_kv, self.ec_connector)
-
-    def _park(self, request: Request, found: Lookup) -> bool:
-        """Blocks for the whole prompt, then WAITING_FOR_REMOTE_KVS until the load lands."""
-        return self.remote_kv.park(
-            request, found.computed_blocks, found.num_computed, found.num_external
-        )
-
-    def _admit(self, request: Request, found: Lookup, st: StepState) -> Outcome:
-        """Schedule a waiting request's next chunk: encoder inputs, blocks, bookkeeping."""
-        start = found.num_computed + found.num_external
-        num_new = min(request.num_tokens - start, st.token_budget)
-        enc = None
-        if request.mm_features:
-            enc = plan_encoder_inputs(request, start, num_new, st, *self._enc)
-            num_new = enc.num_new
-        kv = self.kv_cache_manager
-        new_blocks = None
-        if num_new > 0:
-            num_hit = found.num_computed - request.num_computed_tokens  # 0 after a remote load
-            new_blocks = kv.allocate_slots(
-                request, num_new, num_hit, found.computed_blocks, found.num_external
-            )
-        if new_blocks is None:
-            self.encoder_cache_manager.free(request)  # references taken while planning
-            return Outcome.STOP
-        if enc is not None:
-            commit_encoder_inputs(request, enc, st, *self._enc)
-        if self.remote_kv is not None:
-            self.remote_kv.admitted(request, found.num_external)
-        if not found.num_external:  # else loaded while the step runs: published once it ran
-            kv.cache_blocks(request, start + num_new)
-        request.num_computed_tokens = start
-        if request.num_cached_tokens < 0:  # first scheduled
-            request.num_cached_tokens = start
-            request.queue_time_s = time.monotonic() - request.queued_time
-        self._record_admitted(request, st)
-        st.record(request, num_new)
-        return Outcome.SCHEDULED
-
-    def _record_admitted(self, request: Request, st: StepState) -> None:
-        rid = request.request_id
-        block_ids = self.kv_cache_manager.get_block_ids(rid)
-        if request.status == RequestStatus.PREEMPTED:
-            st.add_cached(rid, True, block_ids, request.num_computed_tokens)
-        else:
-            st.new_reqs.append(
-                NewRequestData(
-                    rid,
-                    request.prompt_token_ids,
-                    request.mm_features,
-                    request.sampling_params,
-                    block_ids,
-                    request.num_computed_tokens,
-                    request.num_prior_output_tokens,
-                )
-            )
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-
     def _make_output(self, st: StepState) -> SchedulerOutput:
         out = SchedulerOutput(
             scheduled_new_reqs=st.new_reqs,
@@ -417,7 +310,7 @@ class Scheduler:
                 output.kv_transfer_params = self._finish(request)
             outputs.append(output)
         if num_stopped:
-            self.running = [r for r in self.running if r.status == running_status]
+            self.running[:] = [r for r in self.running if r.status == running_status]
         if runner_output.kv_connector_output is not None and self.remote_kv is not None:
             outputs.extend(self._update_from_kv_output(runner_output.kv_connector_output))
         return outputs
@@ -471,7 +364,7 @@ class Scheduler:
         if not to_finish:
             return
         gone = {id(r) for r in to_finish}
-        self.running = [r for r in self.running if id(r) not in gone]
+        self.running[:] = [r for r in self.running if id(r) not in gone]
         self.waiting.remove_requests(to_finish)
         self.skipped_waiting.remove_requests(to_finish)
         for request in to_finish:
