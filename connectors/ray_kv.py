@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -38,7 +38,15 @@ from pdcluster.connectors.base import (
     KVLoadError,
     KVTransferParams,
 )
-from pdcluster.connectors.ray_kv_layout import BlockArrays, Latency, RayKVHandle, plan_segments
+from pdcluster.connectors.ray_kv_layout import (
+    BlockArrays,
+    Latency,
+    RayKVConnectorMetadata,
+    RayKVHandle,
+    RayKVLoad,
+    checked_handle,
+    plan_segments,
+)
 from pdcluster.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -61,30 +69,6 @@ AckSender = Callable[[str, str], None]
 # How long start_load_kv waits for the futures of objects already in this node's store: they
 # resolve in well under 1 ms; the bound only keeps a surprise from stalling the step loop.
 LOCAL_RESOLVE_TIMEOUT_S = 0.1
-
-
-# ---- messages between the scheduler side and the worker side -------------------------------
-@dataclass
-class RayKVLoad:
-    """One request's load: segments are (array_index, first_src_row, first_dst_block, count)."""
-
-    request_id: str
-    remote_engine_id: str
-    remote_request_id: str
-    ref: ray.ObjectRef | None  # None once landed or failed: the object is no longer held
-    segments: list[tuple[int, int, int, int]]
-    nbytes: int
-    num_tokens: int = 0
-    started_s: float = 0.0
-    ready_s: float = 0.0  # not reported finished before (a simulated link's arrival)
-    future: concurrent.futures.Future | None = None
-
-
-@dataclass
-class RayKVConnectorMetadata:
-    """Loads recorded by the scheduler side since the previous step."""
-
-    loads: list[RayKVLoad] = field(default_factory=list)
 
 
 @dataclass
@@ -304,7 +288,7 @@ class RayKVConnector(KVConnectorBase):
         if params.handle is None:
             logger.warning("request %r: do_remote_prefill without a handle", request.request_id)
             return None
-        return _checked_handle(params, request, self.block_size, self._expected_layout())
+        return checked_handle(params, request, self.block_size, self._expected_layout())
 
     def _expected_layout(self) -> tuple[tuple[int, ...], str] | None:
         return None if self._blocks is None else self._blocks.layout
@@ -425,35 +409,3 @@ class RayKVConnector(KVConnectorBase):
             "last_publish_ms": self._publish_ms.last,
             "mean_publish_ms": self._publish_ms.mean,
         }
-
-
-# ---- helpers ---------------------------------------------------------------------------------
-def _checked_handle(
-    params: KVTransferParams,
-    request: Request,
-    block_size: int,
-    layout: tuple[tuple[int, ...], str] | None,
-) -> RayKVHandle:
-    """The params' handle, checked field by field and against this request and pool."""
-    handle = params.handle
-    if not isinstance(handle, RayKVHandle):
-        raise KVLoadError(f"handle must be a RayKVHandle, got {type(handle).__name__}")
-    handle.check()
-    if not isinstance(params.remote_engine_id, str) or not params.remote_engine_id:
-        raise KVLoadError("remote_engine_id must be a non-empty string")
-    if not isinstance(params.remote_request_id, str) or not params.remote_request_id:
-        raise KVLoadError("remote_request_id must be a non-empty string")
-    num_tokens = params.num_tokens
-    if not isinstance(num_tokens, int) or not 0 < num_tokens <= request.num_tokens:
-        raise KVLoadError(f"num_tokens {num_tokens!r} not in [1, {request.num_tokens}]")
-    if handle.block_shape[2] != block_size:
-        raise KVLoadError(
-            f"producer block size {handle.block_shape[2]} != consumer block size {block_size}"
-        )
-    if handle.num_blocks != -(-num_tokens // block_size):
-        raise KVLoadError(f"{handle.num_blocks} published blocks do not hold {num_tokens} tokens")
-    if layout is not None and (handle.block_shape, handle.dtype) != layout:
-        raise KVLoadError(
-            f"producer block layout {handle.block_shape} {handle.dtype} != ours {layout}"
-        )
-    return handle

@@ -1,21 +1,24 @@
-"""The layout side of the Ray KV connectors: the handle a consumer reads, how blocks of the
-pool map to the arrays of one published object (`BlockArrays`), and a latency histogram."""
+"""The layout side of the Ray KV connectors: the handle a consumer reads and its checks, the
+loads the scheduler side hands the worker side, how blocks of the pool map to the arrays of
+one published object (`BlockArrays`), and a latency histogram."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
 import torch
 
-from pdcluster.connectors.base import KVHandle, KVLoadError
+from pdcluster.connectors.base import KVHandle, KVLoadError, KVTransferParams
 
 if TYPE_CHECKING:
     from pdcluster.connectors.base import HeadShardedKV
+    from pdcluster.engine.request import Request
 
 _RAW_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -52,6 +55,37 @@ class RayKVHandle(KVHandle):
         return sum(self.run_lengths)
 
 
+def checked_handle(
+    params: KVTransferParams,
+    request: Request,
+    block_size: int,
+    layout: tuple[tuple[int, ...], str] | None,
+) -> RayKVHandle:
+    """The params' handle, checked field by field and against this request and pool."""
+    handle = params.handle
+    if not isinstance(handle, RayKVHandle):
+        raise KVLoadError(f"handle must be a RayKVHandle, got {type(handle).__name__}")
+    handle.check()
+    if not isinstance(params.remote_engine_id, str) or not params.remote_engine_id:
+        raise KVLoadError("remote_engine_id must be a non-empty string")
+    if not isinstance(params.remote_request_id, str) or not params.remote_request_id:
+        raise KVLoadError("remote_request_id must be a non-empty string")
+    num_tokens = params.num_tokens
+    if not isinstance(num_tokens, int) or not 0 < num_tokens <= request.num_tokens:
+        raise KVLoadError(f"num_tokens {num_tokens!r} not in [1, {request.num_tokens}]")
+    if handle.block_shape[2] != block_size:
+        raise KVLoadError(
+            f"producer block size {handle.block_shape[2]} != consumer block size {block_size}"
+        )
+    if handle.num_blocks != -(-num_tokens // block_size):
+        raise KVLoadError(f"{handle.num_blocks} published blocks do not hold {num_tokens} tokens")
+    if layout is not None and (handle.block_shape, handle.dtype) != layout:
+        raise KVLoadError(
+            f"producer block layout {handle.block_shape} {handle.dtype} != ours {layout}"
+        )
+    return handle
+
+
 def _check_ints(value: object, name: str) -> None:
     if (
         not isinstance(value, tuple)
@@ -59,6 +93,30 @@ def _check_ints(value: object, name: str) -> None:
         or not all(isinstance(v, int) and v > 0 for v in value)
     ):
         raise KVLoadError(f"handle {name} must be a non-empty tuple of positive ints")
+
+
+# ---- messages between the scheduler side and the worker side -------------------------------
+@dataclass
+class RayKVLoad:
+    """One request's load: segments are (array_index, first_src_row, first_dst_block, count)."""
+
+    request_id: str
+    remote_engine_id: str
+    remote_request_id: str
+    ref: ray.ObjectRef | None  # None once landed or failed: the object is no longer held
+    segments: list[tuple[int, int, int, int]]
+    nbytes: int
+    num_tokens: int = 0
+    started_s: float = 0.0
+    ready_s: float = 0.0  # not reported finished before (a simulated link's arrival)
+    future: concurrent.futures.Future | None = None
+
+
+@dataclass
+class RayKVConnectorMetadata:
+    """Loads recorded by the scheduler side since the previous step."""
+
+    loads: list[RayKVLoad] = field(default_factory=list)
 
 
 def numpy_compatible(pool: torch.Tensor) -> torch.Tensor:
