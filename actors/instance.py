@@ -32,6 +32,7 @@ from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.engine.precision import Precision
 from pdcluster.engine.request import Request
 from pdcluster.routing.handoff import for_decode, for_prefill
+from pdcluster.routing.role import Role
 
 
 def build_core(spec: InstanceSpec, wake: Callable[[], None] | None = None) -> EngineCore:
@@ -41,11 +42,11 @@ def build_core(spec: InstanceSpec, wake: Callable[[], None] | None = None) -> En
     dtype = Precision.resolve(spec.engine.dtype, spec.engine.quantization, device).dtype
     block_size = spec.engine.cache.block_size
     connectors: list[KVConnectorBase] = []
-    if spec.role in ("prefill", "decode"):
+    if spec.role in (Role.PREFILL, Role.DECODE):
         connectors.append(
             RayKVConnector(
                 engine_id=spec.instance_id,
-                role="producer" if spec.role == "prefill" else "consumer",
+                role="producer" if spec.role == Role.PREFILL else "consumer",
                 block_size=block_size,
                 lease_s=spec.kv_lease_s,
                 load_timeout_s=spec.kv_load_timeout_s,

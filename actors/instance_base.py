@@ -43,10 +43,10 @@ from pdcluster.engine.encoder_core import EncoderCore
 from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.engine.parallel import RankLost
 from pdcluster.engine.presets import resolve_model_dir
+from pdcluster.routing.role import Role
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("encoder", "prefill", "decode", "mixed")
 IDLE_YIELD_S = 0.001  # after a step that ran no model
 INBOX_POLL_S = 0.1  # how often a loop waiting on remote work wakes (to check leases)
 IDLE_WAIT_S = 1.0  # a loop with no work at all waits this long (a command wakes it at once)
@@ -59,7 +59,7 @@ KVEventBatch = list[tuple[bool, int]]  # (stored, block hash) of one step
 @dataclass(frozen=True)
 class InstanceSpec:
     instance_id: str  # also the Ray actor name: consumers ack producers by it
-    role: str
+    role: Role  # a role's name is taken too
     engine: EngineConfig
     model_name: str  # the id clients use: the `model_name` label of the exported metrics
     kv_lease_s: float = 60.0
@@ -69,8 +69,7 @@ class InstanceSpec:
     stream_idle_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        object.__setattr__(self, "role", Role.parse(self.role))
 
 
 class InstanceBase:

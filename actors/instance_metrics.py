@@ -66,7 +66,7 @@ class InstanceMetrics:
     """Ray gauges and counters of one instance, recorded from its stats snapshots."""
 
     def __init__(self, model_name: str, instance_id: str, role: str) -> None:
-        self._tags = {"model_name": model_name, "engine": instance_id, "role": role}
+        self._tags = {"model_name": model_name, "engine": instance_id, "role": str(role)}
         self._gauges = [(s, self._make(metrics.Gauge, s)) for s in GAUGES]
         self._counters = [(s, self._make(metrics.Counter, s)) for s in COUNTERS + TOKEN_COUNTERS]
         self._recorded: dict[str, float] = {}  # counter name -> the value recorded so far

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from pdcluster.engine.outputs import EngineCoreOutput
+from pdcluster.routing.role import Role
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class InstanceStats:
     view: an instance that did not answer is `InstanceStats.unreachable(...)`, all zeros."""
 
     instance_id: str
-    role: str
+    role: Role
     healthy: bool = True
     reachable: bool = True
     pid: int | None = None
@@ -170,7 +171,7 @@ class InstanceStats:
     sim: SimStats | None = None  # a simulated engine's
 
     @classmethod
-    def unreachable(cls, instance_id: str, role: str) -> InstanceStats:
+    def unreachable(cls, instance_id: str, role: Role) -> InstanceStats:
         return cls(instance_id, role, healthy=False, reachable=False)
 
     @property
@@ -245,7 +246,7 @@ class StageTimes:
 
     request_id: str
     instance_id: str
-    role: str
+    role: Role
     received_s: float  # `submit` reached the instance
     scheduled_s: float | None = None  # start of the first step that ran it (D: KV landed)
     first_token_s: float | None = None  # end of the step that produced its first token here

@@ -32,6 +32,7 @@ from pdcluster.actors.instance import InstanceActor
 from pdcluster.actors.kv_pool import KVPoolActor, kv_pool_actor_name, kv_pool_capacity_bytes
 from pdcluster.actors.messages import InstanceStats
 from pdcluster.actors.pool_members import PoolMembers, members_actor_name
+from pdcluster.routing.role import Role
 
 if TYPE_CHECKING:  # built by the launcher above this layer and handed in
     from pdcluster.cluster.control.pool import PoolPlan
@@ -201,7 +202,7 @@ class PoolController:
     def _start(self, role: str, iid: str) -> ray.actor.ActorHandle:
         kv_pool = None if self._kv_pool is None else kv_pool_actor_name(self.pool)
         return (
-            ray.remote(EncoderInstanceActor if role == "encoder" else InstanceActor)
+            ray.remote(EncoderInstanceActor if role == Role.ENCODER else InstanceActor)
             .options(
                 name=iid,
                 **self.plan.resources(role),

@@ -28,9 +28,9 @@ from pdcluster.engine.config import (
     kv_sizing_fields_set,
 )
 from pdcluster.routing.policy import DEFAULT_MIGRATION_LIMIT
+from pdcluster.routing.role import Role
 
-ROLES = ("encoder", "prefill", "decode", "mixed")
-AUTOSCALED_ROLES = ("prefill", "decode")
+AUTOSCALED_ROLES = (Role.PREFILL, Role.DECODE)
 
 # The built-in topologies: ray_configs/ in a checkout, package data once installed
 # (pdcluster/configs links to ray_configs/). The `ray up` config there is no topology.
@@ -361,13 +361,13 @@ class ClusterConfig(_Strict):
     def _check_topology(self) -> ClusterConfig:
         if self.prefill.count + self.decode.count + self.mixed.count == 0:
             raise ValueError("a topology needs at least one prefill, decode or mixed instance")
-        for role in ROLES:  # overrides must be valid engine settings
+        for role in Role:  # overrides must be valid engine settings
             try:
                 self.engine_settings(role)
             except ValidationError as exc:
                 raise ValueError(_override_errors(role, exc)) from None
         if self.prefill.count and self.decode.count:
-            p, d = self.engine_settings("prefill"), self.engine_settings("decode")
+            p, d = self.engine_settings(Role.PREFILL), self.engine_settings(Role.DECODE)
             if p.block_size != d.block_size:
                 raise ValueError("prefill and decode must use the same block_size")
             if p.max_model_len != d.max_model_len:
@@ -386,7 +386,7 @@ class ClusterConfig(_Strict):
                     f"[min {bounds.min}, max {bounds.max}]"
                 )
 
-    def role(self, role: str) -> RoleSpec:
+    def role(self, role: Role | str) -> RoleSpec:
         return getattr(self, role)
 
     def engine_settings(self, role: str) -> EngineSettings:
@@ -427,7 +427,7 @@ class ClusterConfig(_Strict):
     def priority_scheduling(self) -> bool:
         """Whether every instance that schedules requests (P, D, mixed: any may join later)
         runs the priority policy, so that a request's priority is honoured wherever it goes."""
-        roles = ("prefill", "decode", "mixed")
+        roles = (Role.PREFILL, Role.DECODE, Role.MIXED)
         return all(self.engine_settings(r).scheduling_policy == "priority" for r in roles)
 
     def served_model_name(self, model: str) -> str:
@@ -437,8 +437,8 @@ class ClusterConfig(_Strict):
         return name.removeprefix("preset:").rstrip("/").rsplit("/", 1)[-1]
 
     def topology_name(self) -> str:
-        letters = {"encoder": "E", "prefill": "P", "decode": "D", "mixed": "mixed"}
-        return "".join(f"{self.role(r).count}{letters[r]}" for r in ROLES if self.role(r).count)
+        letters = {Role.ENCODER: "E", Role.PREFILL: "P", Role.DECODE: "D", Role.MIXED: "mixed"}
+        return "".join(f"{self.role(r).count}{letters[r]}" for r in Role if self.role(r).count)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterConfig:

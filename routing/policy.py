@@ -17,8 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pdcluster.engine.kv_cache_manager import hash_block_tokens, root_hash
+from pdcluster.routing.role import Role
 
-ROLE_ENCODER, ROLE_PREFILL, ROLE_DECODE, ROLE_MIXED = "encoder", "prefill", "decode", "mixed"
 DEFAULT_MIGRATION_LIMIT = 3  # moves of one request to other instances after losing its own
 # What a prefix block in the cluster KV pool is worth to an instance that lacks it, against
 # one it caches (1) and one it must compute (0): loading costs a copy, not a forward pass.
@@ -201,9 +201,9 @@ class RouterPolicy:
         blocks are hashed under `cache_salt`); raises RuntimeError when no live instance can
         serve."""
         hashes = block_hashes(prompt_token_ids, self.config.block_size, images, cache_salt)
-        encoder = self._least(self._live(ROLE_ENCODER), "num_active") if images else None
+        encoder = self._least(self._live(Role.ENCODER), "num_active") if images else None
         encoder_id = encoder.instance_id if encoder else None
-        prefills, decodes = self._live(ROLE_PREFILL), self._live(ROLE_DECODE)
+        prefills, decodes = self._live(Role.PREFILL), self._live(Role.DECODE)
         if prefills and decodes:
             decode = self._least(decodes, "kv_tokens")
             if self._prefill_on_decode(prompt_token_ids, hashes, decode):
@@ -211,7 +211,7 @@ class RouterPolicy:
             prefill = self._pick(prefills, hashes, "queued_prefill_tokens")
             return Plan(encoder_id, prefill.instance_id, decode.instance_id)
         # A role is missing: serve colocated, on mixed instances first.
-        pool = self._live(ROLE_MIXED) or prefills or decodes
+        pool = self._live(Role.MIXED) or prefills or decodes
         if not pool:
             raise RuntimeError("no live instance can serve this request")
         return Plan(encoder_id, None, self._pick(pool, hashes, "kv_tokens").instance_id)

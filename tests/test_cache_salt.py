@@ -161,10 +161,10 @@ def test_gateway_passes_the_salt_to_the_instances(cluster, base_url):
     body = {"model": cluster.model_name, "prompt": "Salted through HTTP. " * 4, "max_tokens": 2}
 
     def p_hits_after(salt: str) -> int:
-        before = instance_stats(cluster, "prefill")["prefix_cache_hits"]
+        before = instance_stats(cluster, "prefill").scheduler.prefix_cache_hits
         response = httpx.post(f"{base_url}/v1/completions", json={**body, "cache_salt": salt})
         assert response.status_code == 200, response.text
-        return instance_stats(cluster, "prefill")["prefix_cache_hits"] - before
+        return instance_stats(cluster, "prefill").scheduler.prefix_cache_hits - before
 
     assert p_hits_after("http-a") == 0
     assert p_hits_after("http-a") > 0

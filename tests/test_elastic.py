@@ -59,11 +59,11 @@ def test_scale_up_then_down_under_load_serves_on_the_new_instance_and_loses_noth
             assert out.finish_reason == "length"
             assert out.token_ids == reference(prompt, LONG).token_ids  # colocated's tokens
         leaving = _ids(cluster, "decode")[1]  # the new D, the newest: it drains first
-        assert stats_by_id(cluster)[leaving]["num_steps"] > 0  # it took traffic
+        assert stats_by_id(cluster)[leaving].num_steps > 0  # it took traffic
 
         async def scale_down():
             tasks = await _stream_all(cluster, PROMPTS)
-            assert await until(lambda: stats_by_id(cluster)[leaving]["num_running"] > 0)
+            assert await until(lambda: stats_by_id(cluster)[leaving].scheduler.num_running > 0)
             members = await cluster.scale("decode", 1)  # drains the newest D mid-stream
             return members, await asyncio.gather(*tasks)
 
@@ -84,13 +84,13 @@ def test_a_draining_prefill_holds_its_kv_until_decode_reads_it(ray_session, mode
         p0, p1 = cluster.instances[p0_id][1], cluster.instances[p1_id][1]
         decode = cluster.instances[_ids(cluster, "decode")[0]][1]
         ray.get([p0.pause.remote(), p1.pause.remote(), decode.pause.remote()])
-        waiting = lambda iid: stats_by_id(cluster)[iid]["num_waiting"]  # noqa: E731
+        waiting = lambda iid: stats_by_id(cluster)[iid].scheduler.num_waiting  # noqa: E731
 
         async def scenario():
             tasks = await _stream_all(cluster, ["first prompt", "second prompt"], GREEDY)
             assert await until(lambda: waiting(p0_id) == 1 and waiting(p1_id) == 1)
             ray.get(p1.resume.remote())  # P1 prefills its prompt and holds the KV for D
-            assert await until(lambda: stats_by_id(cluster)[p1_id]["num_pending_sends"] == 1)
+            assert await until(lambda: stats_by_id(cluster)[p1_id].scheduler.num_pending_sends == 1)
             scaling = asyncio.ensure_future(cluster.scale("prefill", 1))
             assert await until(lambda: not cluster.front.policy.instances[p1_id].healthy)
             assert not scaling.done()  # P1 drains: it still holds the KV D has not read

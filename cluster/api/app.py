@@ -36,6 +36,7 @@ from pdcluster.cluster.api.responses_protocol import ResponsesRequest
 from pdcluster.cluster.api.serving import ClusterClient, Serving
 from pdcluster.cluster.api.tokens import detokenize, tokenize
 from pdcluster.cluster.config import GatewaySettings
+from pdcluster.routing.role import Role
 
 CLUSTER_VIEW_TIMEOUT_S = 1.0  # /v1/cluster and /metrics: an instance slower than this is
 # reported unreachable (one restarting would otherwise hold every call for seconds)
@@ -125,7 +126,7 @@ def create_app(
             stats = await asyncio.wait_for(cluster.stats_async(), 5.0)
         except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
             return JSONResponse({"status": "unhealthy", "reason": str(exc)}, status_code=503)
-        serving_instances = [s for s in stats if s.role != "encoder" and s.healthy]
+        serving_instances = [s for s in stats if s.role != Role.ENCODER and s.healthy]
         if not serving_instances:
             return JSONResponse(
                 {"status": "unhealthy", "reason": "no healthy instance"}, status_code=503

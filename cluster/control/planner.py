@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from pdcluster.actors.messages import InstanceStats
 from pdcluster.cluster.config import AUTOSCALED_ROLES, AutoscaleSettings
+from pdcluster.routing.role import Role
 
-_LETTERS = {"prefill": "P", "decode": "D"}
+_LETTERS = {Role.PREFILL: "P", Role.DECODE: "D"}
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def signals_from_stats(
         healthy.setdefault(s.role, [])
         if s.healthy:
             healthy[s.role].append(s)
-    latency = {"prefill": (ttft_p90_ms, None), "decode": (None, tpot_p90_ms)}
+    latency = {Role.PREFILL: (ttft_p90_ms, None), Role.DECODE: (None, tpot_p90_ms)}
     return {
         role: _role_signals(instances, *latency.get(role, (None, None)))
         for role, instances in healthy.items()
@@ -177,7 +178,7 @@ class Planner:
 
     def _signals(self, role: str, s: RoleSignals) -> list[_Signal]:
         """The role's load measures against their scale-up targets (latencies when set)."""
-        if role == "prefill":
+        if role == Role.PREFILL:
             p = self.settings.prefill
             per_p = s.queued_prefill_tokens / s.count
             target = p.target_queued_prefill_tokens

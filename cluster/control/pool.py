@@ -12,11 +12,12 @@ from typing import Any
 from pdcluster.actors.instance_base import InstanceSpec
 from pdcluster.actors.messages import InstanceStats
 from pdcluster.actors.pool_controller import PlacementTimeout
-from pdcluster.cluster.config import ROLES, ClusterConfig
+from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.control.planner import Decision, Planner, signals_from_stats
+from pdcluster.routing.role import Role
 
 READY_TIMEOUT_S = 300.0  # the longest wait for the next new instance: placement, model load
-SERVING_ROLES = ("prefill", "decode", "mixed")
+SERVING_ROLES = (Role.PREFILL, Role.DECODE, Role.MIXED)
 LATENCY_FRESH_S = 30.0  # replicas report every few seconds; older reports are dropped
 MAX_COUNT = 64  # instances of one role that `scale` accepts
 
@@ -82,9 +83,9 @@ class PoolPlan:
     def planner_interval_s(self) -> float:
         return self.config.autoscale.interval_s
 
-    def initial_roles(self) -> list[str]:
+    def initial_roles(self) -> list[Role]:
         """One entry per instance the topology starts with."""
-        return [r for r in ROLES for _ in range(self.config.role(r).count)]
+        return [r for r in Role for _ in range(self.config.role(r).count)]
 
     def instance_spec(self, role: str, instance_id: str, kv_pool: str | None) -> InstanceSpec:
         c = self.config
@@ -121,8 +122,7 @@ class PoolPlan:
     def check_scale(self, role: str, count: int, members: dict[str, str]) -> None:
         """ValueError for a scale request that cannot be: an unknown role, a count out of
         range, or one that leaves no instance to serve."""
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        Role.parse(role)
         if not 0 <= count <= MAX_COUNT:
             raise ValueError(f"count must be in [0, {MAX_COUNT}], got {count}")
         others = sum(1 for r in members.values() if r in SERVING_ROLES and r != role)
@@ -159,7 +159,7 @@ class PoolPlan:
         if self.planner is not None:
             desired.update(self.planner.desired)
         return {
-            "desired": {r: desired.get(r, 0) for r in ROLES},
+            "desired": {r.value: desired.get(r, 0) for r in Role},
             "decisions": [[r, d, n] for (r, d), n in decisions.items()],
             "round_s": round_s,
         }
