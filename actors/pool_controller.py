@@ -43,7 +43,7 @@ ON_HEAD = {HEAD_RESOURCE: 0.001}  # never on a worker an autoscaler may remove
 STATS_TIMEOUT_S = 5.0  # a planner round's stats call per instance
 
 
-class PlacementTimeout(RuntimeError):
+class PlacementTimeout(TimeoutError):
     """New instances found no room (no node had their resources free) in time."""
 
 
@@ -61,9 +61,10 @@ class PoolController:
             )
             .remote()
         )  # fmt: skip
-        self._members: dict[str, str] = ray.get(self._store.get.remote())
+        self._members: dict[str, str] = {}  # read from the store before first use
+        self._loaded = False
         self._handles: dict[str, ray.actor.ActorHandle] = {}  # instance id -> its actor
-        self._next_index: Counter[str] = plan.next_indices(self._members)
+        self._next_index: Counter[str] = Counter()
         self._lock: asyncio.Lock | None = None
         self._started: asyncio.Task | None = None
         self._planner_task: asyncio.Task | None = None
@@ -96,6 +97,7 @@ class PoolController:
     async def start(self) -> dict[str, str]:
         """Launch the pool's configured instances, once (every caller waits for that one
         launch); then the members."""
+        await self._load()
         if self._started is None:
             self._started = asyncio.get_running_loop().create_task(self._launch())
         await asyncio.shield(self._started)
@@ -104,11 +106,13 @@ class PoolController:
 
     async def members(self) -> dict[str, str]:
         """instance id (its actor name) -> role."""
+        await self._load()
         self._ensure_planner()  # also after a restart of this actor
         return dict(self._members)
 
     async def planner_state(self) -> dict[str, Any]:
         """See `PoolPlan.planner_state`."""
+        await self._load()
         return self.plan.planner_state(self._members, self.decisions, self._round_s)
 
     async def report_latency(
@@ -121,6 +125,7 @@ class PoolController:
     async def scale(self, role: str, count: int) -> dict[str, str]:
         """Add instances of `role`, or drain the newest ones, until it has `count`; returns
         the members. Raises ValueError for a count that would leave nothing to serve."""
+        await self._load()
         self.plan.check_scale(role, count, self._members)
         async with self._get_lock():
             self.plan.check_scale(role, count, self._members)  # members may have changed
@@ -133,6 +138,7 @@ class PoolController:
 
     async def shutdown(self) -> None:
         """End the pool: every instance, the KV pool and the kept membership."""
+        await self._load()
         for task in (self._planner_task, self._started):
             if task is not None:
                 task.cancel()
@@ -291,6 +297,14 @@ class PoolController:
         if self._lock is None:
             self._lock = asyncio.Lock()
         return self._lock
+
+    async def _load(self) -> None:
+        """The membership a previous incarnation of this controller kept (none for a new
+        pool), read once, before anything reads or changes it."""
+        if not self._loaded:
+            self._members = await self._store.get.remote()
+            self._next_index = self.plan.next_indices(self._members)
+            self._loaded = True
 
     async def _save(self) -> None:
         """Keep the membership in its own actor (for a restarted controller). A failed

@@ -387,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ValueError, FileNotFoundError, ConnectionError) as exc:
-        # bad input, or a Ray cluster that cannot be reached: one line, no traceback
+    except (ValueError, FileNotFoundError, ConnectionError, TimeoutError) as exc:
+        # bad input, a Ray cluster that cannot be reached, a topology that does not fit it,
+        # or instances that found no room in time: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -200,3 +200,63 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+# ---- a newcomer's flags fit the machine ----------------------------------------------------
+
+
+def test_flag_topology_with_more_instances_than_cores_gets_as_many_logical_cpus(monkeypatch):
+    """An embedded Ray is sized so that the asked topology is placed (instances share the
+    cores), as the built-in YAML configs do with ray.num_cpus; a topology that fits the cores
+    or names its own ray.num_cpus is left alone."""
+    from pdcluster.cluster.control.launch import sized_for_this_machine
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    sized = sized_for_this_machine(serve_config("--prefills", "2", "--decodes", "1"))
+    assert sized.ray.num_cpus == 3
+    assert sized_for_this_machine(serve_config("--mixed", "2")).ray.num_cpus is None
+    local = sized_for_this_machine(serve_config("--config", "local-1e1p1d", "--decodes", "2"))
+    assert local.ray.num_cpus == 4  # the YAML's own
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="counts the cores with sched_getaffinity")
+def test_serve_with_more_instances_than_cores_comes_up(tmp_path):
+    """`serve --prefills <cores> --decodes 1` on an embedded Ray: more instances than cores,
+    one CPU each, are placed and answer (before: PlacementTimeout after 300 s)."""
+    port = free_port()
+    prefills = len(os.sched_getaffinity(0))
+    command = serve_command(
+        "--model", "preset:tiny-llama", "--prefills", str(prefills), "--decodes", "1",
+        "--port", str(port), "--num-blocks", "64",
+    )  # fmt: skip
+    env = serve_env(tmp_path, RAY_AUTH_MODE="disabled")
+    process = subprocess.Popen(
+        command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        wait_until_serving(process, port)
+        complete(port)
+        os.killpg(process.pid, signal.SIGTERM)
+        _, log = process.communicate(timeout=SIGTERM_STOP_S)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert f"{prefills}P1D reserves {prefills + 1} CPUs on {prefills} cores" in log, log
+
+
+def test_a_topology_that_cannot_be_placed_fails_at_once_in_one_line(tmp_path):
+    """A GPU asked of a machine's embedded Ray that has none: one line naming what the
+    topology needs and what there is, exit 2, no traceback, well within a minute."""
+    path = tmp_path / "gpu.yaml"
+    path.write_text("model: preset:tiny-llama\nmixed: {count: 1, num_gpus: 1}\n")
+    env = serve_env(tmp_path, RAY_AUTH_MODE="disabled", CUDA_VISIBLE_DEVICES="")
+    command = serve_command("--config", str(path), "--port", str(free_port()))
+    started = time.monotonic()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    took_s = time.monotonic() - started
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and len(errors) == 1, done.stderr
+    assert errors[0].startswith("error: 1mixed needs {'CPU': 1.0, 'GPU': 1.0}")
+    assert "this machine's Ray has {'CPU': " in errors[0] and "'GPU': 0.0}" in errors[0]
+    assert took_s < 60, took_s

@@ -11,20 +11,37 @@ made by actors/ (ray_runtime.py starts or joins Ray, pool_client.py talks to the
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from pathlib import Path
 
 from pdcluster.actors.pool_client import PoolClient
-from pdcluster.actors.ray_runtime import address_from_env, ray_is_up
+from pdcluster.actors.ray_runtime import (
+    address_from_env,
+    cluster_resources,
+    ray_is_up,
+    shutdown_ray,
+)
 from pdcluster.actors.ray_runtime import init_ray as _init_ray
 from pdcluster.cluster.client import DEFAULT_MODEL, Cluster
 from pdcluster.cluster.config import ClusterConfig, RaySettings
-from pdcluster.cluster.control.pool import READY_TIMEOUT_S, PoolPlan, controller_name
+from pdcluster.cluster.control.pool import (
+    READY_TIMEOUT_S,
+    PoolPlan,
+    controller_name,
+    embedded_ray_cpus,
+    topology_demand,
+    unplaceable,
+)
 from pdcluster.engine.presets import resolve_model_dir
 
-__all__ = ["Cluster", "init_ray", "launch", "shutdown_pool"]
+__all__ = ["Cluster", "TopologyDoesNotFit", "init_ray", "launch", "shutdown_pool"]
 
 logger = logging.getLogger(__name__)
+
+
+class TopologyDoesNotFit(ValueError):
+    """The topology asks for more than the embedded Ray has (no node can ever be added)."""
 
 
 def init_ray(settings: RaySettings) -> bool:
@@ -47,7 +64,11 @@ def launch(
     if not isinstance(config, ClusterConfig):
         config = ClusterConfig.from_yaml(config)
     embedded_ray = not (ray_is_up() or config.ray.address or address_from_env())
+    if embedded_ray:
+        config = sized_for_this_machine(config)
     owns_ray = init_ray(config.ray)
+    if embedded_ray and owns_ray:
+        _check_fits(config)
     model = config.model or DEFAULT_MODEL
     model_dir = resolve_model_dir(model)  # the driver tokenizes, so it needs the files too
     name = pool or f"pdc-{uuid.uuid4().hex[:6]}"
@@ -63,6 +84,36 @@ def launch(
         config, model_dir, name, client, owns_ray, owned=pool is None,
         embedded_ray=embedded_ray and owns_ray,
     )  # fmt: skip
+
+
+def sized_for_this_machine(config: ClusterConfig) -> ClusterConfig:
+    """`config` with an embedded Ray of as many logical CPUs as its instances reserve, when
+    that is more than the cores (and `ray.num_cpus` is unset): the instances then share the
+    cores, as with the built-in YAML configs, instead of waiting for CPUs that never come."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = embedded_ray_cpus(config, cores or 1)
+    if config.ray.num_cpus is not None or cpus <= (cores or 1):
+        return config
+    logger.info(
+        "%s reserves %d CPUs on %d cores: the embedded Ray gets %d logical CPUs",
+        config.topology_name(), cpus, cores, cpus,
+    )  # fmt: skip
+    return config.model_copy(update={"ray": config.ray.model_copy(update={"num_cpus": cpus})})
+
+
+def _check_fits(config: ClusterConfig) -> None:
+    """TopologyDoesNotFit (after ending the embedded Ray) when the instances ask for more
+    than it has: no autoscaler adds a node to it, so they would wait for nothing."""
+    need, have = topology_demand(config), cluster_resources()
+    if not unplaceable(need, have):
+        return
+    shutdown_ray()
+    have = {k: round(have.get(k, 0.0), 3) for k in need}
+    raise TopologyDoesNotFit(
+        f"{config.topology_name()} needs {need} in all but this machine's Ray has {have}; "
+        "ask for fewer instances or resources per instance (num_cpus, num_gpus), raise "
+        "ray.num_cpus, or pass --address of a larger Ray cluster"
+    )
 
 
 def shutdown_pool(pool: str, namespace: str | None = None) -> bool:

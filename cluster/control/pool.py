@@ -6,6 +6,7 @@ autoscaling planner decides. No Ray calls: the pool controller actor
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -163,3 +164,30 @@ class PoolPlan:
             "decisions": [[r, d, n] for (r, d), n in decisions.items()],
             "round_s": round_s,
         }
+
+
+def topology_demand(config: ClusterConfig) -> dict[str, float]:
+    """The resources every instance of the topology asks Ray for, together (zeros left out)."""
+    total: Counter[str] = Counter()
+    for role in _roles(config):
+        spec = config.role(role)
+        one = {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **spec.resources}
+        for key, amount in one.items():
+            total[key] += spec.count * amount
+    return {k: round(v, 3) for k, v in total.items() if v}
+
+
+def _roles(config: ClusterConfig) -> list[Role]:
+    return [r for r in Role if config.role(r).count]
+
+
+def embedded_ray_cpus(config: ClusterConfig, cores: int) -> int:
+    """The logical CPUs an embedded Ray gets: the machine's cores, or as many as the
+    topology reserves when that is more (as the built-in YAML configs set `ray.num_cpus`).
+    Instances share the cores then; what Ray's CPU count bounds is only placement."""
+    return max(cores, math.ceil(topology_demand(config).get("CPU", 0.0)))
+
+
+def unplaceable(demand: dict[str, float], have: dict[str, float]) -> dict[str, float]:
+    """The resources of `demand` that `have` lacks (an empty dict: it fits)."""
+    return {k: v for k, v in demand.items() if v > have.get(k, 0.0) + 1e-9}
