@@ -443,11 +443,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run_job(
     config: ClusterConfig, todo: list[JobItem], writer: ResultWriter, args, initial: int
 ) -> None:
-    import ray
-
-    from pdcluster.cluster.control.launch import (
-        launch,  # Ray is imported only once there is work to do
-    )
+    from pdcluster.actors.ray_runtime import gcs_address  # Ray only once there is work to do
+    from pdcluster.cluster.control.launch import launch
 
     try:
         cluster = launch(config)
@@ -455,7 +452,7 @@ def _run_job(
         raise ClusterStartError(f"{type(exc).__name__}: {exc}") from exc
     print(
         f"pdcluster {config.topology_name()} is up on the Ray cluster at "
-        f"{ray.get_runtime_context().gcs_address}; {len(todo)} requests to run",
+        f"{gcs_address()}; {len(todo)} requests to run",
         file=sys.stderr,
     )
     progress = tqdm(
