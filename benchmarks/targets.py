@@ -16,10 +16,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
+
+if TYPE_CHECKING:
+    from pdcluster.cluster.client import Cluster
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "ray_configs"
@@ -33,9 +36,7 @@ class Target:
     max_model_len: int
     topology: str | None = None  # e.g. 1P1D, when known
     config_path: str | None = None
-    cluster: Any = (
-        None  # cluster.client.Cluster for a launched topology (Python API access)
-    )
+    cluster: Cluster | None = None  # a launched topology's client (Python API access)
     api_key: str | None = None
 
 

@@ -191,7 +191,10 @@ def repo_path(image_path: str) -> Path:
 
 
 def module_file(module: str) -> Path:
-    return REPO.joinpath(*module.split(".")).with_suffix(".py")
+    """The file an import path names, found as the Serve controller's import finds it."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, f"no module {module}"
+    return Path(spec.origin)
 
 
 def defines_function(path: Path, name: str) -> bool:
