@@ -15,8 +15,8 @@ holds and the pool, as far as this instance knows, does not: the ones after its 
 pool hits on P or mixed (the prompt; on mixed the output too), the ones after P's prompt on D
 (the output, so the next turn's prefix includes the reply). One `ray.put` of a copy of the
 blocks' runs, handed to the pool's owner, which owns a copy of its own. The blocks are copied
-out as the request finishes (~1 ms for 6 MB) and the put runs on a thread of its own, off the
-step loop (it measured 5-20 ms there, and stalled every other stream's next token meanwhile).
+out as the request finishes (~1 ms for 6 MB) and the put (5-20 ms) runs on a thread of its
+own: a publish never runs on the step loop, so it never delays another stream's next token.
 """
 
 from __future__ import annotations

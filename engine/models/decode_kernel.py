@@ -10,7 +10,7 @@ attention, SiLU, the residual adds) in one call, on the layers' `Int4DotLinear` 
 on decode-only steps of at most `max_rows` sequences: the rows up to which every one of its
 projections was measured fastest in `Int4DotLinear` (tiered_linear.py). Any other step, and any
 layer with a part the kernel lacks (another activation, soft-capping, Gemma's norms, tensor
-parallel hooks), runs the modules as before.
+parallel hooks), runs the layer's own modules.
 """
 
 from __future__ import annotations
