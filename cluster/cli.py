@@ -274,7 +274,7 @@ def _scale_on_ray(
 
 def build_parser() -> argparse.ArgumentParser:
     from pdcluster import __version__
-    from pdcluster.cluster.config import builtin_config_names
+    from pdcluster.cluster.config_yaml import builtin_config_names
 
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pdcluster {__version__}")

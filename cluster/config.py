@@ -7,13 +7,19 @@ overrides (the CLI's flags) on top of one, or built in Python.
 
 from __future__ import annotations
 
-from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from pdcluster.cluster.autoscale_config import AUTOSCALED_ROLES, AutoscaleSettings
+from pdcluster.cluster.config_yaml import (
+    StrictSection,
+    config_path,
+    describe_errors,
+    merge,
+    read_yaml,
+)
 from pdcluster.engine.config import (
     DEFAULT_NUM_BLOCKS,
     DEFAULT_QUANTIZATION,
@@ -29,74 +35,6 @@ from pdcluster.engine.config import (
 )
 from pdcluster.routing.policy import DEFAULT_MIGRATION_LIMIT
 from pdcluster.routing.role import Role
-
-AUTOSCALED_ROLES = (Role.PREFILL, Role.DECODE)
-
-# The built-in topologies: ray_configs/ in a checkout, package data once installed
-# (pdcluster/configs links to ray_configs/). The `ray up` config there is no topology.
-BUILTIN_CONFIG_DIR = Path(str(files("pdcluster") / "configs")).resolve()
-_NOT_TOPOLOGIES = {"cluster-launcher"}
-
-
-def builtin_config_names() -> list[str]:
-    """Names `--config` accepts besides paths, e.g. 'local-1p1d'."""
-    stems = (p.stem for p in BUILTIN_CONFIG_DIR.glob("*.yaml"))
-    return sorted(s for s in stems if s not in _NOT_TOPOLOGIES)
-
-
-def config_path(name_or_path: str | Path) -> Path:
-    """The YAML file of `name_or_path`: an existing file, else a built-in topology's name."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    names = builtin_config_names()
-    if str(name_or_path) in names:
-        return BUILTIN_CONFIG_DIR / f"{name_or_path}.yaml"
-    raise FileNotFoundError(
-        f"no config file {str(name_or_path)!r} and no built-in topology of that name "
-        f"(built-in: {', '.join(names)})"
-    )
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    """A YAML mapping; syntax errors name the file, line and column in one message."""
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise ValueError(f"{where}: invalid YAML: {exc.problem or exc.context}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: invalid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a cluster config is a YAML mapping")
-    return data
-
-
-def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `overrides` applied key by key, nested mappings merged recursively."""
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def describe_errors(exc: ValidationError) -> str:
-    """A pydantic error list as one line: `field.path: message (got value)`; ..."""
-    parts = []
-    for e in exc.errors():
-        message = e["msg"].removeprefix("Value error, ")
-        if not e["loc"]:  # a cross-field rule of the whole config
-            parts.append(message)
-            continue
-        got = "" if isinstance(e["input"], dict) else f" (got {e['input']!r})"
-        parts.append(f"{'.'.join(map(str, e['loc']))}: {message}{got}")
-    return "; ".join(parts)
 
 
 def _override_errors(role: str, exc: ValidationError) -> str:
@@ -116,11 +54,7 @@ def without_replaced_kv_sizing(engine: dict[str, Any], overrides: dict[str, Any]
     return {k: v for k, v in engine.items() if k not in KV_SIZING_FIELDS}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class EngineSettings(_Strict):
+class EngineSettings(StrictSection):
     """Per-instance engine settings (a role may override any of them)."""
 
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
@@ -183,7 +117,7 @@ class EngineSettings(_Strict):
         return self
 
 
-class RoleSpec(_Strict):
+class RoleSpec(StrictSection):
     count: int = Field(0, ge=0, le=64, description="instances of this role")
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per instance")
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per instance")
@@ -201,7 +135,7 @@ class RoleSpec(_Strict):
     )  # fmt: skip
 
 
-class ConnectorSettings(_Strict):
+class ConnectorSettings(StrictSection):
     kv_lease_s: float = Field(60.0, gt=0, description="P frees unacknowledged KV after this")
     kv_load_timeout_s: float = Field(60.0, gt=0, description="D gives up a KV read after this")
     ec_timeout_s: float = Field(30.0, gt=0, description="P encodes locally if E is this late")
@@ -216,7 +150,7 @@ class ConnectorSettings(_Strict):
     )
 
 
-class RouterSettings(_Strict):
+class RouterSettings(StrictSection):
     prefix_aware: bool = Field(True, description="prefer the P that caches the prompt prefix")
     prefix_slack_tokens: int = Field(2048, ge=0, description="queue slack for prefix affinity")
     disagg_min_prompt_tokens: int = Field(
@@ -234,7 +168,7 @@ class RouterSettings(_Strict):
     )  # fmt: skip
 
 
-class GatewaySettings(_Strict):
+class GatewaySettings(StrictSection):
     host: str = Field("127.0.0.1", description="listen address (loopback by default)")
     port: int = Field(8000, ge=0, le=65535, description="listen port (0: any free port)")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
@@ -267,80 +201,14 @@ class GatewaySettings(_Strict):
         return {"num_cpus": self.num_cpus, "resources": dict(self.resources)}
 
 
-class RaySettings(_Strict):
+class RaySettings(StrictSection):
     address: str | None = Field(None, description="existing cluster (None: start a local one)")
     namespace: str = Field("pdcluster", description="Ray namespace of the named actors")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of an embedded local Ray")
     object_store_memory: int | None = Field(None, ge=75 * 1024 * 1024, description="bytes")
 
 
-class _RoleAutoscale(_Strict):
-    """Bounds of one autoscaled role; the planner steps its count by one inside them."""
-
-    min: int = Field(1, ge=1, le=64, description="instances of the role at least")
-    max: int = Field(..., ge=1, le=64, description="instances of the role at most")
-
-    @model_validator(mode="after")
-    def _check_bounds(self) -> _RoleAutoscale:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
-        return self
-
-
-class PrefillAutoscale(_RoleAutoscale):
-    target_queued_prefill_tokens: int = Field(
-        2048, ge=1, description="add a P when queued prefill tokens per P exceed this"
-    )
-    target_ttft_p90_ms: float | None = Field(
-        None, gt=0, description="add a P when TTFT p90 exceeds this (None: ignore TTFT)"
-    )
-
-
-class DecodeAutoscale(_RoleAutoscale):
-    target_kv_usage: float = Field(
-        0.8, gt=0, le=1, description="add a D when mean KV-cache usage per D exceeds this"
-    )
-    target_running_per_instance: int = Field(
-        48, ge=1, description="add a D when running sequences per D exceed this"
-    )
-    target_tpot_p90_ms: float | None = Field(
-        None, gt=0, description="add a D when TPOT p90 exceeds this (None: ignore TPOT)"
-    )
-
-
-class AutoscaleSettings(_Strict):
-    """SLO-driven autoscaling of prefill and decode, each independently (cluster/control/planner.py).
-
-    A role's configured `count` is its starting size and must lie within its [min, max]."""
-
-    prefill: PrefillAutoscale | None = Field(None, description="scale P (None: fixed count)")
-    decode: DecodeAutoscale | None = Field(None, description="scale D (None: fixed count)")
-    interval_s: float = Field(10.0, gt=0, description="seconds between two planner decisions")
-    scale_up_cooldown_s: float = Field(
-        60.0, ge=0, description="no scale-up of a role this soon after its last change"
-    )
-    scale_down_cooldown_s: float = Field(
-        180.0, ge=0, description="no scale-down of a role this soon after its last change"
-    )
-    scale_down_fraction: float = Field(
-        0.5,
-        gt=0,
-        lt=1,
-        description="remove one instance only while every signal would stay under this "
-        "fraction of its target with one instance fewer (latency p90s: as they are)",
-    )
-
-    @model_validator(mode="after")
-    def _check_roles(self) -> AutoscaleSettings:
-        if self.prefill is None and self.decode is None:
-            raise ValueError("autoscale needs a prefill or decode section")
-        return self
-
-    def role(self, role: str) -> PrefillAutoscale | DecodeAutoscale | None:
-        return getattr(self, role)
-
-
-class ClusterConfig(_Strict):
+class ClusterConfig(StrictSection):
     model: str | None = Field(
         None, description="checkpoint folder, or 'preset:<name>' (default: preset:tiny-llava)"
     )

@@ -18,7 +18,7 @@ from ray.serve import Application
 
 from pdcluster.cluster.config import ClusterConfig
 
-DEFAULT_CONFIG = "local-1e1p1d"  # a built-in topology (see cluster.config.config_path)
+DEFAULT_CONFIG = "local-1e1p1d"  # a built-in topology (see cluster.config_yaml.config_path)
 DEFAULT_POOL = "pdcluster-serve"
 GATEWAY_DEPLOYMENT = "pdcluster-gateway"  # serveConfigV2 `deployments:` entries name it
 BUILD_ARGS = ("config", "model", "pool", "num_replicas", "autoscaling_config")

@@ -189,7 +189,7 @@ def test_gateway_binds_loopback_and_needs_no_key_by_default():
 
 
 def test_builtin_topologies_are_the_shipped_configs_by_name():
-    from pdcluster.cluster.config import builtin_config_names
+    from pdcluster.cluster.config_yaml import builtin_config_names
 
     assert builtin_config_names() == sorted(Path(name).stem for name in TOPOLOGIES)
     for name, topology in TOPOLOGIES.items():

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from pdcluster.actors.messages import InstanceStats, SchedulerStats
-from pdcluster.cluster.config import AutoscaleSettings
+from pdcluster.cluster.autoscale_config import AutoscaleSettings
 from pdcluster.cluster.control.planner import Decision, Planner, RoleSignals, signals_from_stats
 
 UP_COOLDOWN_S, DOWN_COOLDOWN_S = 30.0, 120.0

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdcluster.actors.messages import InstanceStats
-from pdcluster.cluster.config import AUTOSCALED_ROLES, AutoscaleSettings
+from pdcluster.cluster.autoscale_config import AUTOSCALED_ROLES, AutoscaleSettings
 from pdcluster.routing.role import Role
 
 _LETTERS = {Role.PREFILL: "P", Role.DECODE: "D"}
