@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from pdcluster.cluster import job
+from pdcluster.cluster import job, job_io
 from pdcluster.engine import LLM, SamplingParams
 from tests.cluster_utils import SMALL_ENGINE, random_image
 
@@ -105,7 +105,7 @@ def reference(llm: LLM, line: dict) -> list[int]:
 def test_bad_lines_become_errors_or_warnings():
     lines = [json.dumps(x) if not isinstance(x, str) else x for x in FIRST + SECOND]
     warnings = io.StringIO()
-    items, num_dropped = job.read_items(lines, {"max_tokens": MAX_TOKENS}, warnings)
+    items, num_dropped = job_io.read_items(lines, {"max_tokens": MAX_TOKENS}, warnings)
     by_id = {item.item_id: item for item in items}
     assert num_dropped == 3  # invalid JSON, no id, duplicate id
     for expected in ("line 11: invalid JSON", "line 12: 'id' is required", "line 13: duplicate"):
@@ -125,7 +125,7 @@ def test_lines_carry_a_cache_salt_and_a_priority():
         {"id": "c", "prompt": "x", "cache_salt": ""},
         {"id": "d", "prompt": "x", "priority": 1.5},
     ]
-    items, _ = job.read_items([json.dumps(x) for x in lines], {}, io.StringIO())
+    items, _ = job_io.read_items([json.dumps(x) for x in lines], {}, io.StringIO())
     by_id = {item.item_id: item for item in items}
     assert (by_id["a"].cache_salt, by_id["a"].priority) == ("tenant-a", -2)
     assert (by_id["b"].cache_salt, by_id["b"].priority) == (None, 0)
@@ -142,13 +142,13 @@ def test_done_ids_tolerate_a_partial_last_line(tmp_path):
     write_jsonl(out, good)
     with out.open("a") as f:
         f.write('{"id": "half", "te')
-    assert job.read_done_ids(out) == {"a", 2}
+    assert job_io.read_done_ids(out) == {"a", 2}
     assert read_results(out) == good  # the partial line is gone, so appends stay valid
-    assert job.read_done_ids(out, retry_errors=True) == {"a"}
+    assert job_io.read_done_ids(out, retry_errors=True) == {"a"}
     assert read_results(out) == good[:1]
     with out.open("a") as f:  # a whole line, only its newline missing: kept
         f.write(json.dumps(good[1]))
-    assert job.read_done_ids(out) == {"a", 2}
+    assert job_io.read_done_ids(out) == {"a", 2}
     assert out.read_text().endswith("\n") and read_results(out) == good
 
 
