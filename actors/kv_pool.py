@@ -19,6 +19,7 @@ from ray.exceptions import RayError
 
 from pdcluster.actors.kv_events import KVEventLog
 from pdcluster.actors.messages import KVEvents
+from pdcluster.actors.pool_messages import KVPoolStats
 from pdcluster.connectors.kv_pool_index import KVPoolIndex, PoolHit, PoolPublish
 
 logger = logging.getLogger(__name__)
@@ -88,9 +89,9 @@ class KVPoolActor:
         """Hex ids of the objects held (what a leak check may find in the store)."""
         return [ref.hex() for ref in self.index.refs()]
 
-    async def stats(self) -> dict[str, int]:
-        return {
+    async def stats(self) -> KVPoolStats:
+        return KVPoolStats(
             **self.index.stats(),
-            "num_failed_publishes": self._num_failed_publishes,
-            "bytes_published": self._num_bytes_published,
-        }
+            num_failed_publishes=self._num_failed_publishes,
+            bytes_published=self._num_bytes_published,
+        )

@@ -17,6 +17,7 @@ from ray.actor import ActorHandle
 from pdcluster.actors.kv_pool import kv_pool_actor_name
 from pdcluster.actors.messages import KVEvents
 from pdcluster.actors.pool_controller import ON_HEAD, PlacementTimeout, PoolController
+from pdcluster.actors.pool_messages import KVPoolStats, PlannerState
 
 if TYPE_CHECKING:  # built by the launcher above this layer and handed in
     from pdcluster.cluster.control.pool import PoolPlan
@@ -111,7 +112,7 @@ class PoolClient:
         except ray.exceptions.RayTaskError as exc:
             raise _cause(exc) from None
 
-    async def planner_state(self) -> dict[str, Any]:
+    async def planner_state(self) -> PlannerState:
         return await self.actor.planner_state.remote()
 
     # ---- the cluster KV pool -----------------------------------------------------------
@@ -123,7 +124,7 @@ class PoolClient:
             return None
         return answer_or_none(kv_pool.events.remote(epoch, cursor))
 
-    async def kv_pool_stats(self, timeout_s: float) -> dict[str, Any] | None:
+    async def kv_pool_stats(self, timeout_s: float) -> KVPoolStats | None:
         """The cluster KV pool's stats; None when the pool is off or does not answer within
         `timeout_s`."""
         try:

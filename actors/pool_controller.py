@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -32,6 +32,7 @@ from pdcluster.actors.instance import InstanceActor
 from pdcluster.actors.kv_pool import KVPoolActor, kv_pool_actor_name, kv_pool_capacity_bytes
 from pdcluster.actors.messages import InstanceStats
 from pdcluster.actors.pool_members import PoolMembers, members_actor_name
+from pdcluster.actors.pool_messages import PlannerState
 from pdcluster.routing.role import Role
 
 if TYPE_CHECKING:  # built by the launcher above this layer and handed in
@@ -110,7 +111,7 @@ class PoolController:
         self._ensure_planner()  # also after a restart of this actor
         return dict(self._members)
 
-    async def planner_state(self) -> dict[str, Any]:
+    async def planner_state(self) -> PlannerState:
         """See `PoolPlan.planner_state`."""
         await self._load()
         return self.plan.planner_state(self._members, self.decisions, self._round_s)

@@ -239,7 +239,7 @@ async def sample_instances(
         desired = None
         if with_planner:
             with contextlib.suppress(Exception):  # a busy controller: no desired this time
-                desired = (await asyncio.wait_for(cluster.planner_state(), 1.0))["desired"]
+                desired = (await asyncio.wait_for(cluster.planner_state(), 1.0)).desired
         samples.append(InstanceSample(time.perf_counter() - start, counts, desired))
         await asyncio.sleep(SAMPLE_INTERVAL_S)
 
@@ -302,7 +302,7 @@ def measure_run(
     )
     summary = summarize(outcome.results, outcome.duration_s, slo)
     print(report.run_line(spec.name, wall.mean_rate, summary))
-    planner = asyncio.run(_planner_state(target.cluster)) if spec.autoscale else None
+    planner = asyncio.run(target.cluster.planner_state()) if spec.autoscale else None
     modeled = [InstanceSample(s.t_s / scale, s.counts, s.desired) for s in samples]
     result = {
         "name": spec.name,
@@ -313,7 +313,7 @@ def measure_run(
         "instance_seconds": instance_seconds(modeled, outcome.duration_s / scale),
         "step_attainment": step_attainment(outcome.results, steps, slo, scale) if slo else None,
         "samples": [asdict(s) for s in modeled],
-        "planner": planner,
+        "planner": None if planner is None else planner.to_dict(),
         "loadavg_after": report.loadavg(),
         "requests": [r.to_dict() for r in outcome.results],
     }
@@ -322,10 +322,6 @@ def measure_run(
         result.update(sim_steps=sim_steps, sim_steps_overrun=overrun,
                       all_blocks_free=plan.all_blocks_free(target))  # fmt: skip
     return result
-
-
-async def _planner_state(cluster: Any) -> dict[str, Any]:
-    return await cluster.planner_state()
 
 
 def bench_run(

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcluster.actors.messages import InstanceStats
+from pdcluster.actors.pool_messages import KVPoolStats
 from pdcluster.benchmarks.metrics import percentile
 from pdcluster.benchmarks.report import loadavg, save_results
 from pdcluster.benchmarks.targets import embedded_ray, pd_config
@@ -208,7 +209,7 @@ def summarize(
     wall_s: float,
     load_start: list[float] | None,
     load_end: list[float] | None,
-    pool: dict[str, Any] | None,
+    pool: KVPoolStats | None,
     instances: list[InstanceStats],
 ) -> dict[str, Any]:
     first = [t for t in turns if t.index == 0]
@@ -223,7 +224,7 @@ def summarize(
         "all_prompt_tokens_computed": _tokens_computed(turns),
         "kv_pool_hit_tokens": sum(s.kv_pool.hit_tokens for s in instances),
         "kv_pool_mean_load_ms": _mean([s.kv_pool.mean_load_ms for s in instances]),
-        "kv_pool": pool,
+        "kv_pool": None if pool is None else pool.to_dict(),
         "wall_s": round(wall_s, 1),
         "load_avg_start": load_start,
         "load_avg_end": load_end,

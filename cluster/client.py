@@ -11,11 +11,12 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pdcluster.actors.front import STATS_TIMEOUT_S, Front
 from pdcluster.actors.messages import InstanceStats
 from pdcluster.actors.pool_client import PoolClient
+from pdcluster.actors.pool_messages import KVPoolStats, PlannerState
 from pdcluster.actors.ray_runtime import shutdown_ray
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.engine.llm import RequestOutput, merge_output, new_request_output
@@ -186,10 +187,10 @@ class Cluster:
         actors/pool_controller.py); returns the members. ValueError for a count that cannot be."""
         return await self._client.scale(role, count)
 
-    async def planner_state(self) -> dict[str, Any]:
+    async def planner_state(self) -> PlannerState:
         return await self._client.planner_state()
 
-    async def kv_pool_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> dict[str, Any] | None:
+    async def kv_pool_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> KVPoolStats | None:
         """The cluster KV pool's stats (bytes, entries, evictions, ...); None when the pool
         is off or does not answer within `timeout_s`."""
         return await self._client.kv_pool_stats(timeout_s)

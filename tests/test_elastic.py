@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from pdcluster.cluster.control.launch import launch
+from pdcluster.routing.role import Role
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,
@@ -127,10 +128,10 @@ def test_the_planner_scales_prefill_up_on_a_burst_and_down_after_it(ray_session,
         assert [o.finish_reason for o in outs] == ["length"] * 6
         assert wait_until(lambda: len(_ids(cluster, "prefill")) == 1, 120)  # burst over
         state = ray.get(cluster.controller.planner_state.remote())
-        decisions = {(role, direction): n for role, direction, n in state["decisions"]}
-        assert decisions[("prefill", "up")] >= 1 and decisions[("prefill", "down")] >= 1
-        assert state["desired"]["prefill"] == 1
-        assert state["round_s"] > 0  # a round (reading every instance, deciding) was timed
+        decisions = {(d.role, d.direction): d.count for d in state.decisions}
+        assert decisions[(Role.PREFILL, "up")] >= 1 and decisions[(Role.PREFILL, "down")] >= 1
+        assert state.desired[Role.PREFILL] == 1
+        assert state.round_s > 0  # a round (reading every instance, deciding) was timed
 
 
 def test_the_pool_survives_restarts_of_its_controller_and_gateway(ray_session, model_dir):

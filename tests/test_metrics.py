@@ -14,8 +14,10 @@ import ray
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdcluster.actors.pool_messages import PlannerState
 from pdcluster.cluster.api.metrics import GatewayMetrics, token_buckets
 from pdcluster.engine import SamplingParams
+from pdcluster.routing.role import Role
 from tests.cluster_utils import assert_clean, handle, live_object_ids, start, wait_until
 
 MODEL = "metrics-model"
@@ -148,10 +150,10 @@ def test_token_buckets_follow_vllm():
 
 def test_planner_round_time_is_exported_once_a_round_ran():
     metrics = GatewayMetrics(MODEL, max_model_len=64)
-    metrics.instances.planner = {"desired": {"prefill": 1}, "decisions": [], "round_s": None}
+    metrics.instances.planner = PlannerState({Role.PREFILL: 1})
     name = "pdcluster_planner_round_seconds"
     assert not any(n == name for n, _ in samples(generate_latest(metrics.registry).decode()))
-    metrics.instances.planner["round_s"] = 0.25
+    metrics.instances.planner = PlannerState({Role.PREFILL: 1}, round_s=0.25)
     assert samples(generate_latest(metrics.registry).decode())[(name, frozenset())] == 0.25
 
 

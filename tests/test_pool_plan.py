@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
+from pdcluster.actors.pool_messages import PlannerState, ScalingCount
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.control.pool import PoolPlan, latency_p90s
+from pdcluster.routing.role import Role
 
 
 def plan(**roles) -> PoolPlan:
@@ -55,6 +59,22 @@ def test_only_fresh_latency_reports_count_and_the_worst_wins():
 
 def test_planner_state_without_a_planner_is_the_actual_count():
     p = plan(prefill={"count": 1}, decode={"count": 1})
-    state = p.planner_state({"p-prefill-0": "prefill", "p-decode-0": "decode"}, {}, None)
-    assert state["desired"] == {"encoder": 0, "prefill": 1, "decode": 1, "mixed": 0}
-    assert state["decisions"] == [] and state["round_s"] is None
+    state = p.planner_state({"p-prefill-0": Role.PREFILL, "p-decode-0": Role.DECODE}, {}, None)
+    assert state == PlannerState({Role.ENCODER: 0, Role.PREFILL: 1, Role.DECODE: 1, Role.MIXED: 0})
+    assert state.to_dict() == {
+        "desired": {"encoder": 0, "prefill": 1, "decode": 1, "mixed": 0},
+        "decisions": [],
+        "round_s": None,
+    }
+
+
+def test_planner_state_counts_decisions_per_role_and_direction():
+    p = plan(prefill={"count": 1}, decode={"count": 1})
+    decisions = Counter({(Role.PREFILL, "up"): 2, (Role.PREFILL, "down"): 1})
+    state = p.planner_state({"p-prefill-0": Role.PREFILL}, decisions, 0.25)
+    assert state.decisions == (
+        ScalingCount(Role.PREFILL, "up", 2),
+        ScalingCount(Role.PREFILL, "down", 1),
+    )
+    assert state.to_dict()["decisions"] == [["prefill", "up", 2], ["prefill", "down", 1]]
+    assert state.to_dict()["round_s"] == 0.25

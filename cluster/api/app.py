@@ -118,7 +118,10 @@ def create_app(
     async def cluster_view() -> dict[str, Any]:
         stats = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
         kv_pool = await cluster.kv_pool_stats(CLUSTER_VIEW_TIMEOUT_S)
-        return {"instances": [_instance_view(s) for s in stats], "kv_pool": kv_pool}
+        return {
+            "instances": [_instance_view(s) for s in stats],
+            "kv_pool": None if kv_pool is None else kv_pool.to_dict(),
+        }
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections import Counter as Counter_
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
@@ -25,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from pdcluster.actors import instance_metrics
 from pdcluster.actors.messages import InstanceStats, LatencyHistogram
+from pdcluster.actors.pool_messages import KVPoolStats, PlannerState
 from pdcluster.engine.outputs import EngineCoreOutput
 
 FINE_BUCKETS_S = (0.001, 0.0025, 0.005)
@@ -100,20 +100,24 @@ _COUNTERS: dict[str, tuple[str, Callable[[InstanceStats], float]]] = {
         lambda s: s.kv_pool.bytes_published,
     ),
 }
-# The cluster KV pool's own series: metric name -> (kind, help, its stats key).
-_KV_POOL: dict[str, tuple[type, str, str]] = {
-    "pdcluster_kv_pool_bytes": (GaugeMetricFamily, "Bytes the cluster KV pool holds", "num_bytes"),
+# The cluster KV pool's own series: metric name -> (kind, help, function of its stats).
+_KV_POOL: dict[str, tuple[type, str, Callable[[KVPoolStats], float]]] = {
+    "pdcluster_kv_pool_bytes": (
+        GaugeMetricFamily, "Bytes the cluster KV pool holds", lambda p: p.num_bytes,
+    ),
     "pdcluster_kv_pool_capacity_bytes": (
-        GaugeMetricFamily, "The cluster KV pool's capacity", "capacity_bytes",
+        GaugeMetricFamily, "The cluster KV pool's capacity", lambda p: p.capacity_bytes,
     ),
     "pdcluster_kv_pool_entries": (
-        GaugeMetricFamily, "Objects (runs of blocks) the cluster KV pool holds", "num_entries",
+        GaugeMetricFamily, "Objects (runs of blocks) the cluster KV pool holds",
+        lambda p: p.num_entries,
     ),
     "pdcluster_kv_pool_blocks": (
-        GaugeMetricFamily, "KV blocks the cluster KV pool holds", "num_blocks",
+        GaugeMetricFamily, "KV blocks the cluster KV pool holds", lambda p: p.num_blocks,
     ),
     "pdcluster_kv_pool_evictions": (
-        CounterMetricFamily, "Entries evicted from the cluster KV pool", "num_evictions",
+        CounterMetricFamily, "Entries evicted from the cluster KV pool",
+        lambda p: p.num_evictions,
     ),
 }  # fmt: skip
 _LABELS = ["instance", "role"]
@@ -128,9 +132,9 @@ class _InstanceCollector(Collector):
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.snapshot: list[InstanceStats] = []
-        self.planner: dict[str, Any] = {}  # the pool controller's planner_state()
+        self.planner = PlannerState(desired={})  # the pool controller's planner_state()
         self.num_moves = 0  # this replica's migrations so far
-        self.kv_pool: dict[str, Any] | None = None  # the cluster KV pool's stats
+        self.kv_pool: KVPoolStats | None = None  # the cluster KV pool's stats
 
     def collect(self) -> Iterable[Metric]:
         yield from self._pool()
@@ -168,9 +172,9 @@ class _InstanceCollector(Collector):
             "Loads from the cluster KV pool (start of load to copied into blocks)",
             [(s, s.kv_pool.load_ms_histogram) for s in answered],
         )
-        for name, (kind, help_text, key) in _KV_POOL.items():
+        for name, (kind, help_text, fn) in _KV_POOL.items():
             if self.kv_pool is not None:
-                yield kind(name, help_text, value=float(self.kv_pool.get(key, 0)))
+                yield kind(name, help_text, value=float(fn(self.kv_pool)))
 
     def _vllm_labels(self, s: InstanceStats) -> list[str]:
         return [self.model_name, s.instance_id, s.role]
@@ -178,7 +182,7 @@ class _InstanceCollector(Collector):
     def _pool(self) -> Iterable[Metric]:
         """Instances per role (live, and what the planner wants) and its decisions."""
         live = Counter_(s.role for s in self.snapshot if s.healthy)
-        desired = self.planner.get("desired", {})
+        desired = self.planner.desired
         actual = GaugeMetricFamily("pdcluster_instances", "Live instances", labels=["role"])
         wanted = GaugeMetricFamily(
             "pdcluster_instances_desired",
@@ -191,8 +195,8 @@ class _InstanceCollector(Collector):
         decisions = CounterMetricFamily(
             "pdcluster_planner_decisions", "Scaling decisions", labels=["role", "direction"]
         )
-        for role, direction, count in self.planner.get("decisions", []):
-            decisions.add_metric([role, direction], float(count))
+        for d in self.planner.decisions:
+            decisions.add_metric([d.role, d.direction], float(d.count))
         yield from (actual, wanted, decisions)
         yield CounterMetricFamily(
             "pdcluster_request_migrations",
@@ -200,11 +204,11 @@ class _InstanceCollector(Collector):
             "sent) after the instance serving them was lost",
             value=self.num_moves,
         )
-        if self.planner.get("round_s") is not None:
+        if self.planner.round_s is not None:
             yield GaugeMetricFamily(
                 "pdcluster_planner_round_seconds",
                 "The planner's last round: reading every instance's stats and deciding",
-                value=self.planner["round_s"],
+                value=self.planner.round_s,
             )
 
 

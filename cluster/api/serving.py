@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 from fastapi import Request
 
 from pdcluster.actors.messages import InstanceStats
+from pdcluster.actors.pool_messages import KVPoolStats, PlannerState
 from pdcluster.cluster.api.body import BodyT, parse_body
 from pdcluster.cluster.api.errors import RETRY_AFTER_S, APIError
 from pdcluster.cluster.api.metrics import GatewayMetrics
@@ -69,9 +70,9 @@ class ClusterClient(Protocol):
 
     async def scale(self, role: str, count: int) -> dict[str, str]: ...
 
-    async def planner_state(self) -> dict[str, Any]: ...
+    async def planner_state(self) -> PlannerState: ...
 
-    async def kv_pool_stats(self, timeout_s: float = ...) -> dict[str, Any] | None: ...
+    async def kv_pool_stats(self, timeout_s: float = ...) -> KVPoolStats | None: ...
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any
 from pdcluster.actors.instance_base import InstanceSpec
 from pdcluster.actors.messages import InstanceStats
 from pdcluster.actors.pool_controller import PlacementTimeout
+from pdcluster.actors.pool_messages import PlannerState, ScalingCount
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.control.planner import Decision, Planner, signals_from_stats
 from pdcluster.routing.role import Role
@@ -153,17 +154,17 @@ class PoolPlan:
         members: dict[str, str],
         decisions: Counter[tuple[str, str]],
         round_s: float | None,
-    ) -> dict[str, Any]:
-        """Desired count per role (the planner's, else the actual), decisions made, and how
-        long the planner's last round took to read the stats and decide (None: none yet)."""
+    ) -> PlannerState:
+        """Desired count per role (the planner's, else the actual), decisions made
+        ({(role, direction): count}), and how long the planner's last round took."""
         desired = dict(Counter(members.values()))
         if self.planner is not None:
             desired.update(self.planner.desired)
-        return {
-            "desired": {r.value: desired.get(r, 0) for r in Role},
-            "decisions": [[r, d, n] for (r, d), n in decisions.items()],
-            "round_s": round_s,
-        }
+        return PlannerState(
+            desired={r: desired.get(r, 0) for r in Role},
+            decisions=tuple(ScalingCount(r, d, n) for (r, d), n in decisions.items()),
+            round_s=round_s,
+        )
 
 
 def topology_demand(config: ClusterConfig) -> dict[str, float]:
