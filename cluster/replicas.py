@@ -3,10 +3,10 @@
 Each replica binds the same host:port with SO_REUSEPORT, so the kernel spreads incoming
 connections over them, and each attaches to the one instance pool with a client of its own
 (it plans its own requests and reads its tokens straight from the instances). The serving
-process is replica 0; the others are Ray actors on one Ray node of its host (they must share
-its network), asking for `gateway.num_cpus` and `gateway.resources` like Serve replicas do.
-Each serves HTTP on its Front's event loop (`serve_on_front`), so a stream's outputs reach its
-response with no hop between threads.
+process is replica 0; the others are `GatewayReplica` actors on one Ray node of its host
+(they must share its network), placed by actors/gateway_replicas.py. Each serves HTTP on its
+Front's event loop (`serve_on_front`), so a stream's outputs reach its response with no hop
+between threads.
 """
 
 from __future__ import annotations
@@ -15,17 +15,19 @@ import asyncio
 import concurrent.futures
 import errno
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ray
 import uvicorn
 from fastapi import FastAPI
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from pdcluster.actors.gateway_replicas import start_replica_actors
 from pdcluster.cluster.api.app import create_app
 from pdcluster.cluster.client import Cluster
-from pdcluster.cluster.config import ClusterConfig, GatewaySettings
+from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.control.launch import launch
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 
 def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -73,10 +75,10 @@ def serve_on_front(
 
 
 class GatewayReplica:
-    """Wrap with `ray.remote(GatewayReplica)`: one more replica of a running gateway."""
+    """One more replica of a running gateway: a Ray actor (see `start_replicas`)."""
 
-    def __init__(self, config: dict[str, Any], pool: str, host: str, port: int) -> None:
-        self.cluster = launch(ClusterConfig.model_validate(config), pool=pool)
+    def __init__(self, config: ClusterConfig, pool: str, host: str, port: int) -> None:
+        self.cluster = launch(config, pool=pool)
         self.server = uvicorn_server(gateway_app(self.cluster))
         self.sock = listen(host, port, reuse_port=True)
 
@@ -92,45 +94,9 @@ class GatewayReplica:
         return self.cluster.front.num_started, self.cluster.front.num_in_flight()
 
 
-def replica_node(settings: GatewaySettings, count: int) -> str:
-    """The Ray node for `count` more replicas: one on this process's host (the replicas share
-    its listen address) whose resources hold them all, this process's own node first. A
-    ValueError says what to change when no node on the host does (e.g. `pdcluster serve` run
-    on a KubeRay head while `gateway.resources` names a resource only workers declare)."""
-    here = ray.get_runtime_context().get_node_id()
-    nodes = [n for n in ray.nodes() if n["Alive"]]
-    host = next(n["NodeManagerAddress"] for n in nodes if n["NodeID"] == here)
-    ask = {"CPU": settings.num_cpus, **settings.resources}
-    fits = [
-        n["NodeID"]
-        for n in sorted(nodes, key=lambda n: n["NodeID"] != here)
-        if n["NodeManagerAddress"] == host
-        and all(n["Resources"].get(name, 0) >= amount * count for name, amount in ask.items())
-    ]
-    if not fits:
-        raise ValueError(
-            f"gateway.replicas: {count} more replicas need {ask} each on a Ray node of this "
-            f"host ({host}), and none has that much; run `pdcluster serve` on a node that "
-            "declares it, or lower gateway.replicas, gateway.num_cpus or gateway.resources"
-        )
-    return fits[0]
-
-
 def start_replicas(
     config: ClusterConfig, pool: str, host: str, port: int, count: int
-) -> list[ray.actor.ActorHandle]:
-    """`count` more replicas on this host, serving once this returns."""
-    if count == 0:
-        return []
-    node = NodeAffinitySchedulingStrategy(replica_node(config.gateway, count), soft=False)
-    replicas = [
-        ray.remote(GatewayReplica)
-        .options(
-            **config.gateway.ray_actor_options(), scheduling_strategy=node, max_concurrency=1000
-        )
-        .remote(config.model_dump(), pool, host, port)
-        for _ in range(count)
-    ]
-    for replica in replicas:
-        replica.serve.remote()
-    return replicas
+) -> list[ActorHandle]:
+    """`count` more replicas of the gateway of `pool` on this host (actors/gateway_replicas.py
+    places them), serving on host:port once this returns."""
+    return start_replica_actors(GatewayReplica, (config, pool, host, port), config.gateway, count)

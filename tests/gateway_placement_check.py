@@ -1,11 +1,12 @@
 """Gateway replicas stay off a head with no CPUs, like a KubeRay head with num-cpus "0".
 
 A two-node Ray cluster on this machine: the head (0 CPUs) and one worker that declares
-`pdcluster_gateway` (as the deploy/ worker groups do). The Serve app (cluster.serve_app) and
-the `gateway.replicas` actors (cluster.replicas) both ask for `gateway.resources`; the script
-reports where each replica actor runs, and whether each serves. Prints one JSON object on
-stdout. Run from the repository root as `python -m tests.gateway_placement_check --model DIR`;
-it starts its own Ray cluster, so it must not run inside a Ray driver.
+`pdcluster_gateway` (as the deploy/ worker groups do). The Serve app (cluster.serve_app)
+and the `gateway.replicas` actors (actors.gateway_replicas) both ask for `gateway.resources`;
+the script reports where each replica actor runs, and whether each serves. Prints one JSON
+object on stdout. Run from the repository root as
+`python -m tests.gateway_placement_check --model DIR`; it starts its own Ray cluster, so it
+must not run inside a Ray driver.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ def check(model_dir: str, cluster) -> dict[str, Any]:
     import ray
     from ray import serve
 
+    from pdcluster.actors.gateway_replicas import replica_node
     from pdcluster.actors.pool_controller import HEAD_RESOURCE
     from pdcluster.cluster.config import ClusterConfig, GatewaySettings
     from pdcluster.cluster.control.launch import shutdown_pool
-    from pdcluster.cluster.replicas import replica_node, start_replicas
+    from pdcluster.cluster.replicas import start_replicas
     from pdcluster.cluster.serve_app import build_app
     from tests.cluster_utils import SMALL_ENGINE, wait_until
     from tests.gateway_utils import free_port
