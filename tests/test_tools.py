@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pdcluster.cluster.api.protocol import ChatCompletionRequest
+from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
 from pdcluster.cluster.api.tools import forced_call_schema, parse_tool_calls
 from pdcluster.engine.preset_tokenizer import chat_template
 from pdcluster.engine.tokenizer import chat_template_takes_tools, compile_chat_template

@@ -14,8 +14,9 @@ import asyncio
 from fastapi import Request as HTTPRequest
 
 from pdcluster.cluster.api.beam_search import BeamSearch, BeamSearchParams
+from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
+from pdcluster.cluster.api.completions_protocol import CompletionRequest
 from pdcluster.cluster.api.errors import APIError
-from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdcluster.cluster.api.serving import Group, Result, Serving
 from pdcluster.engine.outputs import TopLogprobs
 from pdcluster.engine.request import Request

@@ -14,9 +14,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcluster.cluster.api.beam_serving import run_to_end
+from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
 from pdcluster.cluster.api.errors import APIError
 from pdcluster.cluster.api.prompt_logprobs import prompt_logprobs_json
-from pdcluster.cluster.api.protocol import ChatCompletionRequest
 from pdcluster.cluster.api.serving import Group, Result, Serving, usage
 from pdcluster.cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse, UsageIn
 from pdcluster.cluster.api.tools import ToolCallParser, forced_call_schema

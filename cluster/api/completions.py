@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcluster.cluster.api.beam_serving import run_to_end
+from pdcluster.cluster.api.completions_protocol import CompletionRequest
 from pdcluster.cluster.api.errors import APIError
 from pdcluster.cluster.api.prompt_logprobs import (
     echoed_entries,
@@ -18,7 +19,6 @@ from pdcluster.cluster.api.prompt_logprobs import (
     legacy_entries,
     prompt_logprobs_json,
 )
-from pdcluster.cluster.api.protocol import CompletionRequest
 from pdcluster.cluster.api.serving import Group, Result, Serving, best, usage
 from pdcluster.cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse, UsageIn
 

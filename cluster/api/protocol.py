@@ -1,5 +1,6 @@
-"""OpenAI-compatible request bodies, vLLM's fields included, and their mapping to
-SamplingParams.
+"""The fields both generating endpoints share (OpenAI's, and vLLM's on top) and their mapping
+to SamplingParams. The bodies: completions_protocol.py, chat_protocol.py, tokens_protocol.py,
+admin_protocol.py and responses_protocol.py.
 
 As vLLM's, the bodies accept any field: one we do not know, or one that means nothing on
 this server (`NO_OP_FIELDS`), is listed by `ignored_fields` (the gateway logs them); a known
@@ -9,20 +10,17 @@ field with a value we cannot honour is a 400 naming it.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from pdcluster.cluster.api.beam_search import check_beam_search
-from pdcluster.cluster.api.messages import (
-    ChatMessage,
-    ImagePart,
-    NamedToolChoice,
-    OpenAIBody,
-    Tool,
-    invalid,
-    template_messages,
-    unsupported,
+from pdcluster.cluster.api.messages import OpenAIBody, invalid, unsupported
+from pdcluster.cluster.api.output_format import (
+    JSONObjectFormat,
+    JSONSchemaFormat,
+    ResponseFormat,
+    StructuredOutputs,
 )
 from pdcluster.engine.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -48,12 +46,6 @@ NO_OP_FIELDS = (
 )  # fmt: skip
 
 
-class _Body(BaseModel):
-    """Our own (non-OpenAI) bodies: a typo is a 400."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
 class StreamOptions(OpenAIBody):
     include_usage: bool = Field(False, description="send a last chunk carrying usage")
     continuous_usage_stats: bool = Field(
@@ -61,69 +53,7 @@ class StreamOptions(OpenAIBody):
     )
 
 
-class TextFormat(OpenAIBody):
-    type: Literal["text"]
-
-
-class JSONObjectFormat(OpenAIBody):
-    type: Literal["json_object"]
-
-
-class JSONSchema(OpenAIBody):
-    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$", description="the schema's name")
-    description: str | None = Field(None, description="what the output is for")
-    schema_: dict[str, Any] | None = Field(
-        None, alias="schema", description="the JSON schema the output matches; absent: any JSON"
-    )
-    strict: bool | None = Field(None, description="accepted: the output always follows the schema")
-
-
-class JSONSchemaFormat(OpenAIBody):
-    type: Literal["json_schema"]
-    json_schema: JSONSchema
-
-
-ResponseFormat = Annotated[
-    TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")
-]
-
-
-class StructuredOutputs(OpenAIBody):
-    """vLLM's `structured_outputs`: exactly one grammar the output must match."""
-
-    json_: dict[str, Any] | str | None = Field(
-        None, alias="json", description="a JSON schema (an object, or its text)"
-    )
-    regex: str | None = Field(None, min_length=1, description="a regular expression")
-    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
-        None, min_length=1, max_length=1024, description="the output is one of these strings"
-    )
-    grammar: str | None = Field(None, min_length=1, description="a Lark grammar")
-    json_object: bool | None = Field(None, description="true: any JSON object")
-
-    @model_validator(mode="after")
-    def _one_grammar(self) -> StructuredOutputs:
-        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k)]
-        given += ["json_object"] if self.json_object else []
-        if len(given) != 1:
-            raise invalid(
-                "structured_outputs: give exactly one of json, regex, choice, grammar and "
-                f"json_object (got {', '.join(g.rstrip('_') for g in given) or 'none'})"
-            )
-        return self
-
-    def params(self) -> StructuredOutputsParams:
-        schema = self.json_
-        return StructuredOutputsParams(
-            json=json.dumps(schema) if isinstance(schema, dict) else schema,
-            json_object=bool(self.json_object),
-            regex=self.regex,
-            choice=tuple(self.choice) if self.choice is not None else None,
-            grammar=self.grammar,
-        )
-
-
-class _SamplingFields(OpenAIBody):
+class SamplingFields(OpenAIBody):
     """Fields shared by both endpoints (OpenAI's, plus vLLM's top_k/min_tokens/ignore_eos)."""
 
     model: str = Field(..., min_length=1, max_length=256, description="served model id")
@@ -321,7 +251,7 @@ class _SamplingFields(OpenAIBody):
         return None, None
 
     @model_validator(mode="after")
-    def _one_grammar_field(self) -> _SamplingFields:
+    def _one_grammar_field(self) -> SamplingFields:
         asked = ["structured_outputs"] * (self.structured_outputs is not None)
         asked += [f"guided_{k}" for k in _GUIDED if getattr(self, f"guided_{k}") is not None]
         if isinstance(self.response_format, (JSONObjectFormat, JSONSchemaFormat)):
@@ -366,192 +296,3 @@ def _unknown_in(value: Any, path: str) -> list[str]:
     if isinstance(value, list):
         return [f for i, item in enumerate(value) for f in _unknown_in(item, f"{path}.{i}")]
     return []
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        ..., description="text, token ids, or a batch of either"
-    )
-    max_tokens: int | None = Field(16, ge=1, description="tokens to generate at most")
-    logprobs: int | None = Field(
-        None,
-        ge=0,
-        le=MAX_LOGPROBS,
-        description="N: log-probability of each sampled token and of the N likeliest",
-    )
-    echo: bool = Field(False, description="prepend the prompt to the text (and its logprobs)")
-    suffix: str | None = Field(None, description="not supported: empty only")
-    best_of: int | None = Field(
-        None,
-        ge=1,
-        le=MAX_N,
-        description="sequences sampled per prompt (default n), of which the n with the highest "
-        "cumulative log-probability are returned; not streamed when above n",
-    )
-    add_special_tokens: bool = Field(True, description="a text prompt gets BOS and the like")
-
-    @field_validator("suffix")
-    @classmethod
-    def _check_suffix(cls, suffix: str | None) -> str | None:
-        if suffix:
-            raise unsupported("suffix is not supported")
-        return suffix
-
-    @field_validator("best_of")
-    @classmethod
-    def _check_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
-        n = info.data.get("n", 1)
-        if best_of is not None and best_of < n:
-            raise invalid(f"best_of ({best_of}) must be at least n ({n})")
-        if best_of is not None and best_of > n and info.data.get("stream"):
-            raise unsupported("best_of > n cannot be streamed (stream: false only)")
-        return best_of
-
-    def num_seqs(self) -> int:
-        """Sequences sampled per prompt."""
-        return self.best_of or self.n
-
-    def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if not p or (isinstance(p, list) and any(not x for x in p)):
-            raise ValueError("prompt must not be empty")
-        if isinstance(p, str):
-            return [p]
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # one prompt of token ids
-        return list(p)
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1, max_length=1024)
-    max_tokens: int | None = Field(None, ge=1, description="deprecated alias")
-    max_completion_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
-    logprobs: bool = Field(False, description="return log-probabilities of sampled tokens")
-    top_logprobs: int | None = Field(
-        None, ge=0, le=MAX_LOGPROBS, description="the N likeliest tokens too (with logprobs)"
-    )
-    tools: list[Tool] | None = Field(None, max_length=128, description="functions it may call")
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="default auto with tools; required or a named one forces a call"
-    )
-    parallel_tool_calls: bool = Field(True, description="false: at most one call returned")
-    add_special_tokens: bool = Field(
-        False, description="add BOS and the like to the rendered prompt (templates add theirs)"
-    )
-    add_generation_prompt: bool = Field(True, description="end the prompt with the reply's cue")
-    continue_final_message: bool = Field(
-        False, description="the reply continues the last message (without add_generation_prompt)"
-    )
-    chat_template: str | None = Field(
-        None, min_length=1, max_length=1 << 16, description="a Jinja template used instead"
-    )
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description='variables for the template, e.g. {"enable_thinking": false}'
-    )
-    documents: list[dict[str, Any]] | None = Field(
-        None, max_length=1024, description="RAG documents, passed to the template"
-    )
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
-        None, description="passed to the template"
-    )
-    modalities: list[str] | None = Field(None, description='output kinds: ["text"] only')
-
-    @model_validator(mode="after")
-    def _check_tool_choice(self) -> ChatCompletionRequest:
-        choice = self.tool_choice
-        names = [t.function.name for t in self.tools or []]
-        if choice not in (None, "none") and not names:
-            raise invalid("tool_choice needs tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise invalid(f"tool_choice names {choice.function.name!r}, which is not in tools")
-        asked = self.grammar()[0]
-        if choice not in (None, "none", "auto") and asked is not None:
-            raise invalid(f"a forced tool call (tool_choice) cannot take a {asked} too")
-        return self
-
-    @model_validator(mode="after")
-    def _check_rendering(self) -> ChatCompletionRequest:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise invalid(
-                "continue_final_message: cannot be true with add_generation_prompt (set it false)"
-            )
-        if any(m != "text" for m in self.modalities or []):
-            other = next(m for m in self.modalities or [] if m != "text")
-            raise unsupported(f"modalities: only text output is supported, not {other!r}")
-        return self
-
-    def template_kwargs(self) -> dict[str, Any]:
-        """The variables the chat template gets besides messages and tools: the request's
-        chat_template_kwargs, with documents and reasoning_effort when sent."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.documents is not None:
-            kwargs["documents"] = self.documents
-        if self.reasoning_effort is not None:
-            kwargs["reasoning_effort"] = self.reasoning_effort
-        return kwargs
-
-    def calls_tools(self) -> bool:
-        """Whether the prompt offers the tools and the output is parsed for calls."""
-        return bool(self.tools) and self.tool_choice != "none"
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _check_top_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
-        if top_logprobs and not info.data.get("logprobs"):
-            raise invalid("top_logprobs needs logprobs: true")
-        return top_logprobs
-
-    def num_logprobs(self) -> int | None:
-        """SamplingParams.logprobs: None, or how many alternatives each token comes with."""
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-    def template_messages(self, content_parts: bool = True) -> list[dict[str, Any]]:
-        return template_messages(self.messages, content_parts)
-
-    def image_urls(self) -> list[str]:
-        return [
-            p.image_url.url
-            for m in self.messages
-            if isinstance(m.content, list)
-            for p in m.content
-            if isinstance(p, ImagePart)
-        ]
-
-
-class TokenizeRequest(OpenAIBody):
-    """`POST /tokenize` (vLLM's): a `prompt`, or chat `messages` rendered by the template."""
-
-    model: str | None = Field(None, min_length=1, max_length=256, description="served model id")
-    prompt: str | None = Field(None, description="text to tokenize")
-    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
-    add_generation_prompt: bool = Field(True, description="messages: end with the reply's cue")
-    add_special_tokens: bool | None = Field(
-        None, description="add BOS and the like; default true for prompt, false for messages"
-    )
-
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise invalid("give either prompt or messages")
-        return self
-
-    def template_messages(self, content_parts: bool = True) -> list[dict[str, Any]]:
-        return template_messages(self.messages or [], content_parts)
-
-
-class DetokenizeRequest(OpenAIBody):
-    """`POST /detokenize` (vLLM's): token ids back to text, special tokens included."""
-
-    model: str | None = Field(None, min_length=1, max_length=256, description="served model id")
-    tokens: list[int] = Field(..., description="token ids of this model's vocabulary")
-
-
-class ScaleRequest(_Body):
-    """`POST /v1/admin/scale`: run `count` instances of `role` (adding, or draining the
-    newest away)."""
-
-    role: Literal["encoder", "prefill", "decode", "mixed"] = Field(description="the role to resize")
-    count: int = Field(ge=0, le=64, description="instances of the role wanted")

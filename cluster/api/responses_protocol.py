@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
 from pdcluster.cluster.api.messages import (
     FUNCTION_NAME,
     ChatMessage,
@@ -39,15 +40,14 @@ from pdcluster.cluster.api.messages import (
     invalid,
     unsupported,
 )
-from pdcluster.cluster.api.protocol import (
-    ChatCompletionRequest,
-    FiniteFloat,
+from pdcluster.cluster.api.output_format import (
     JSONObjectFormat,
     JSONSchema,
     JSONSchemaFormat,
     ResponseFormat,
     TextFormat,
 )
+from pdcluster.cluster.api.protocol import FiniteFloat
 
 MAX_INPUT_ITEMS = 1024
 MAX_METADATA_PAIRS = 16

@@ -21,9 +21,11 @@ from fastapi import Request
 from pdcluster.actors.messages import InstanceStats
 from pdcluster.actors.pool_messages import KVPoolStats, PlannerState
 from pdcluster.cluster.api.body import BodyT, parse_body
+from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
+from pdcluster.cluster.api.completions_protocol import CompletionRequest
 from pdcluster.cluster.api.errors import RETRY_AFTER_S, APIError
 from pdcluster.cluster.api.metrics import GatewayMetrics
-from pdcluster.cluster.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from pdcluster.cluster.api.tokens_protocol import TokenizeRequest
 from pdcluster.cluster.config import GatewaySettings
 from pdcluster.engine.multimodal import decode_data_url, load_image
 from pdcluster.engine.outputs import EngineCoreOutput, PromptLogprobs, TopLogprobs

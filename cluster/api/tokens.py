@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from pdcluster.cluster.api.errors import APIError
-from pdcluster.cluster.api.protocol import DetokenizeRequest, TokenizeRequest
 from pdcluster.cluster.api.serving import Serving
+from pdcluster.cluster.api.tokens_protocol import DetokenizeRequest, TokenizeRequest
 
 
 def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:

@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
 from pdcluster.cluster.api.messages import NamedToolChoice, Tool
-from pdcluster.cluster.api.protocol import ChatCompletionRequest
 
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
