@@ -17,6 +17,7 @@ from typing import Any
 from ray.util import metrics
 
 from pdcluster.actors.messages import InstanceStats
+from pdcluster.routing.role import Role
 
 RECORD_INTERVAL_S = 0.5
 TAG_KEYS = ("model_name", "engine", "role")  # engine: the instance id, as vLLM's label
@@ -65,7 +66,7 @@ def ray_name(name: str) -> str:
 class InstanceMetrics:
     """Ray gauges and counters of one instance, recorded from its stats snapshots."""
 
-    def __init__(self, model_name: str, instance_id: str, role: str) -> None:
+    def __init__(self, model_name: str, instance_id: str, role: Role) -> None:
         self._tags = {"model_name": model_name, "engine": instance_id, "role": str(role)}
         self._gauges = [(s, self._make(metrics.Gauge, s)) for s in GAUGES]
         self._counters = [(s, self._make(metrics.Counter, s)) for s in COUNTERS + TOKEN_COUNTERS]

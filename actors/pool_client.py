@@ -18,6 +18,7 @@ from pdcluster.actors.kv_pool import kv_pool_actor_name
 from pdcluster.actors.messages import KVEvents
 from pdcluster.actors.pool_controller import ON_HEAD, PlacementTimeout, PoolController
 from pdcluster.actors.pool_messages import KVPoolStats, PlannerState
+from pdcluster.routing.role import Role
 
 if TYPE_CHECKING:  # built by the launcher above this layer and handed in
     from pdcluster.cluster.control.pool import PoolPlan
@@ -69,7 +70,7 @@ class PoolClient:
         except ValueError:
             return None
 
-    def wait_started(self, restart_timeout_s: float) -> dict[str, str]:
+    def wait_started(self, restart_timeout_s: float) -> dict[str, Role]:
         """The pool's members once it is up (the controller bounds that: it gives up once
         no new instance answered for its ready timeout, however long a large pool takes in
         all); a controller that is restarting is waited for up to `restart_timeout_s`.
@@ -96,7 +97,7 @@ class PoolClient:
         ray.kill(self.actor, no_restart=True)
 
     # ---- the control plane (never on a request's path) ---------------------------------
-    def members_or_none(self) -> dict[str, str] | None:
+    def members_or_none(self) -> dict[str, Role] | None:
         """instance id -> role; None when the controller does not answer."""
         return answer_or_none(self.actor.members.remote())
 
@@ -105,7 +106,7 @@ class PoolClient:
     ) -> None:
         self.actor.report_latency.remote(replica_id, ttft_p90_ms, tpot_p90_ms)
 
-    async def scale(self, role: str, count: int) -> dict[str, str]:
+    async def scale(self, role: Role, count: int) -> dict[str, Role]:
         """See `PoolController.scale`; its ValueError or PlacementTimeout raised as it is."""
         try:
             return await self.actor.scale.remote(role, count)

@@ -62,14 +62,14 @@ class PoolController:
             )
             .remote()
         )  # fmt: skip
-        self._members: dict[str, str] = {}  # read from the store before first use
+        self._members: dict[str, Role] = {}  # read from the store before first use
         self._loaded = False
         self._handles: dict[str, ray.actor.ActorHandle] = {}  # instance id -> its actor
-        self._next_index: Counter[str] = Counter()
+        self._next_index: Counter[Role] = Counter()
         self._lock: asyncio.Lock | None = None
         self._started: asyncio.Task | None = None
         self._planner_task: asyncio.Task | None = None
-        self.decisions: Counter[tuple[str, str]] = Counter()  # (role, up|down) -> count
+        self.decisions: Counter[tuple[Role, str]] = Counter()  # (role, up|down) -> count
         self._round_s: float | None = None  # the planner's last round: stats and decisions
         self._last_up = 0.0  # when a new instance last answered (bounds the wait for more)
         # gateway replica -> (when, TTFT p90 ms, TPOT p90 ms) it last reported
@@ -95,7 +95,7 @@ class PoolController:
         )  # fmt: skip
 
     # ---- membership (read by every gateway replica) ------------------------------------
-    async def start(self) -> dict[str, str]:
+    async def start(self) -> dict[str, Role]:
         """Launch the pool's configured instances, once (every caller waits for that one
         launch); then the members."""
         await self._load()
@@ -105,7 +105,7 @@ class PoolController:
         self._ensure_planner()
         return dict(self._members)
 
-    async def members(self) -> dict[str, str]:
+    async def members(self) -> dict[str, Role]:
         """instance id (its actor name) -> role."""
         await self._load()
         self._ensure_planner()  # also after a restart of this actor
@@ -123,7 +123,7 @@ class PoolController:
         self._latencies[replica_id] = (time.monotonic(), ttft_p90_ms, tpot_p90_ms)
 
     # ---- scaling -----------------------------------------------------------------------
-    async def scale(self, role: str, count: int) -> dict[str, str]:
+    async def scale(self, role: Role, count: int) -> dict[str, Role]:
         """Add instances of `role`, or drain the newest ones, until it has `count`; returns
         the members. Raises ValueError for a count that would leave nothing to serve."""
         await self._load()
@@ -160,7 +160,7 @@ class PoolController:
             await asyncio.gather(*(self._add(r, 1) for r in self.plan.initial_roles()))
         logger.info("pool %s is up: %s", self.pool, self.plan.config.topology_name())
 
-    async def _add(self, role: str, count: int) -> None:
+    async def _add(self, role: Role, count: int) -> None:
         """Start `count` instances of `role` and admit them once they answer."""
         started = []
         self._last_up = time.monotonic()
@@ -206,7 +206,7 @@ class PoolController:
         await handle.health.remote()
         self._last_up = time.monotonic()
 
-    def _start(self, role: str, iid: str) -> ray.actor.ActorHandle:
+    def _start(self, role: Role, iid: str) -> ray.actor.ActorHandle:
         kv_pool = None if self._kv_pool is None else kv_pool_actor_name(self.pool)
         return (
             ray.remote(EncoderInstanceActor if role == Role.ENCODER else InstanceActor)
@@ -269,7 +269,7 @@ class PoolController:
         members = list(self._members.items())
         return list(await asyncio.gather(*(self._instance_stats(i, r) for i, r in members)))
 
-    async def _instance_stats(self, iid: str, role: str) -> InstanceStats:
+    async def _instance_stats(self, iid: str, role: Role) -> InstanceStats:
         handle = self._actor(iid)
         if handle is None:
             return InstanceStats.unreachable(iid, role)

@@ -8,6 +8,8 @@ this actor itself restart (empty), the controller's next change writes it again.
 
 from __future__ import annotations
 
+from pdcluster.routing.role import Role
+
 
 def members_actor_name(pool: str) -> str:
     return f"{pool}-members"
@@ -17,10 +19,10 @@ class PoolMembers:
     """Wrap with `ray.remote(PoolMembers)`: instance id (its actor name) -> role."""
 
     def __init__(self) -> None:
-        self._members: dict[str, str] = {}
+        self._members: dict[str, Role] = {}
 
-    def get(self) -> dict[str, str]:
+    def get(self) -> dict[str, Role]:
         return dict(self._members)
 
-    def put(self, members: dict[str, str]) -> None:
+    def put(self, members: dict[str, Role]) -> None:
         self._members = dict(members)

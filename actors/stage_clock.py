@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from pdcluster.actors.messages import StageTimes
 from pdcluster.engine.outputs import EngineCoreOutput
+from pdcluster.routing.role import Role
 
 
 @dataclass
@@ -19,7 +20,7 @@ class _Stamps:
 
 
 class StageClock:
-    def __init__(self, instance_id: str, role: str) -> None:
+    def __init__(self, instance_id: str, role: Role) -> None:
         self.instance_id = instance_id
         self.role = role
         self._open: dict[str, _Stamps] = {}

@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pdcluster.routing.role import Role
+
 if TYPE_CHECKING:
     from pdcluster.cluster.config import ClusterConfig
 
@@ -104,14 +106,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# serve flag -> the role whose instance count it sets
+_ROLE_FLAGS = {
+    "encoders": Role.ENCODER,
+    "prefills": Role.PREFILL,
+    "decodes": Role.DECODE,
+    "mixed": Role.MIXED,
+}
 # serve flag -> (location in the config mapping, argparse type); unset flags keep the
 # YAML's (or the model's default) value, so every default stays defined once, in the config.
 _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "model": (("model",), str),
-    "encoders": (("encoder", "count"), int),
-    "prefills": (("prefill", "count"), int),
-    "decodes": (("decode", "count"), int),
-    "mixed": (("mixed", "count"), int),
+    **{flag: ((role.value, "count"), int) for flag, role in _ROLE_FLAGS.items()},
     "host": (("gateway", "host"), str),
     "port": (("gateway", "port"), int),
     "api_key": (("gateway", "api_key"), str),
@@ -132,7 +138,6 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "migration_limit": (("router", "migration_limit"), int),
     "kv_pool_size": (("connector", "kv_pool_size_gib"), float),
 }
-_ROLE_FLAGS = {"encoders": "encoder", "prefills": "prefill", "decodes": "decode", "mixed": "mixed"}
 
 SERVE_EXAMPLES = """examples:
   pdcluster serve --model preset:tiny-llama --prefills 1 --decodes 1
@@ -175,9 +180,9 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     if args.config is None:  # the topology is exactly the counts given
         counts = {role: getattr(args, flag) or 0 for flag, role in _ROLE_FLAGS.items()}
         if all(getattr(args, flag) is None for flag in _ROLE_FLAGS):
-            counts.update(prefill=1, decode=1)
+            counts.update({Role.PREFILL: 1, Role.DECODE: 1})
         for role, count in counts.items():
-            overrides.setdefault(role, {})["count"] = count
+            overrides.setdefault(role.value, {})["count"] = count
     return overrides
 
 
@@ -215,22 +220,23 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_scale(args: argparse.Namespace) -> int:
     """Resize a role through a running gateway (`--url`) or the pool's controller on a Ray
     cluster (`--address`)."""
+    role = Role(args.role)
     if args.address:
-        ids = _scale_on_ray(args.address, args.pool, args.namespace, args.role, args.count)
+        ids = _scale_on_ray(args.address, args.pool, args.namespace, role, args.count)
     else:
-        ids = _scale_over_http(args.url, args.api_key, args.role, args.count)
-    print(f"{args.role}: {len(ids)} instances" + "".join(f"\n  {i}" for i in ids))
+        ids = _scale_over_http(args.url, args.api_key, role, args.count)
+    print(f"{role}: {len(ids)} instances" + "".join(f"\n  {i}" for i in ids))
     return 0
 
 
-def _scale_over_http(url: str, api_key: str | None, role: str, count: int) -> list[str]:
+def _scale_over_http(url: str, api_key: str | None, role: Role, count: int) -> list[str]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     endpoint = f"{url.rstrip('/')}/v1/admin/scale"
     try:  # adding waits for the new instances to load (and maybe for a node)
         response = httpx.post(
-            endpoint, json={"role": role, "count": count}, headers=headers, timeout=900
+            endpoint, json={"role": role.value, "count": count}, headers=headers, timeout=900
         )
     except httpx.HTTPError as exc:
         raise ValueError(f"cannot reach {endpoint}: {exc}") from None
@@ -244,7 +250,7 @@ def _scale_over_http(url: str, api_key: str | None, role: str, count: int) -> li
 
 
 def _scale_on_ray(
-    address: str, pool: str | None, namespace: str, role: str, count: int
+    address: str, pool: str | None, namespace: str, role: Role, count: int
 ) -> list[str]:
     import asyncio
 
@@ -333,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--count 2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--role", required=True, choices=["encoder", "prefill", "decode", "mixed"])
+    p.add_argument("--role", required=True, choices=[r.value for r in Role])
     p.add_argument("--count", required=True, type=int, help="instances of the role wanted")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a running gateway")
     p.add_argument("--api-key", default=None)

@@ -27,6 +27,7 @@ from pdcluster.engine.request import Request
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.routing.policy import RouterConfig
+from pdcluster.routing.role import Role
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -147,7 +148,7 @@ class Cluster:
 
     @property
     def max_model_len(self) -> int:
-        roles = [r for r in ("decode", "mixed", "prefill") if self.config.role(r).count]
+        roles = [r for r in (Role.DECODE, Role.MIXED, Role.PREFILL) if self.config.role(r).count]
         return self.config.engine_settings(roles[0]).max_model_len
 
     @property
@@ -160,7 +161,8 @@ class Cluster:
         """The KV tokens of the smallest pool that holds a request's sequences to the end, as
         the instances report them (a pool sized by memory is known only once it is up); the
         configured size before any report, None where that is set by memory."""
-        roles = [r for r in ("decode", "mixed") if self.config.role(r).count] or ["prefill"]
+        sequences_end_on = (Role.DECODE, Role.MIXED)
+        roles = [r for r in sequences_end_on if self.config.role(r).count] or [Role.PREFILL]
         reported = self.front.policy.min_kv_tokens(roles)
         if reported is not None:
             return reported
@@ -182,10 +184,11 @@ class Cluster:
                 raise TimeoutError(f"instances still hold state: {busy}")
             time.sleep(0.05)
 
-    async def scale(self, role: str, count: int) -> dict[str, str]:
-        """Add instances of `role` or drain some away until it has `count` (see
-        actors/pool_controller.py); returns the members. ValueError for a count that cannot be."""
-        return await self._client.scale(role, count)
+    async def scale(self, role: Role | str, count: int) -> dict[str, Role]:
+        """Add instances of `role` (a Role or its name) or drain some away until it has
+        `count` (see actors/pool_controller.py); returns the members. ValueError for a role or
+        a count that cannot be."""
+        return await self._client.scale(Role.parse(role), count)
 
     async def planner_state(self) -> PlannerState:
         return await self._client.planner_state()
@@ -223,7 +226,7 @@ def _per_prompt(
 
 
 def router_config(config: ClusterConfig) -> RouterConfig:
-    engine = config.engine_settings("decode" if config.decode.count else "mixed")
+    engine = config.engine_settings(Role.DECODE if config.decode.count else Role.MIXED)
     r = config.router
     return RouterConfig(
         block_size=engine.block_size,

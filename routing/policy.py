@@ -57,7 +57,7 @@ LOAD_FIELDS = ("num_active", "queued_prefill_tokens", "kv_tokens")
 @dataclass
 class InstanceLoad:
     instance_id: str
-    role: str
+    role: Role
     healthy: bool = True
     own: Load = field(default_factory=Load)  # this replica's requests in flight there
     published: Load | None = None  # the instance's last report (every replica's requests)
@@ -119,18 +119,18 @@ def block_hashes(
 
 
 class RouterPolicy:
-    def __init__(self, roles: dict[str, str], config: RouterConfig | None = None) -> None:
+    def __init__(self, roles: dict[str, Role], config: RouterConfig | None = None) -> None:
         self.config = config or RouterConfig()
         self.instances = {iid: InstanceLoad(iid, role) for iid, role in roles.items()}
         # Block hashes the cluster KV pool holds: a tier every P and mixed instance loads from.
         self.pool_blocks: OrderedDict[int, None] = OrderedDict()
 
     # ---- membership and health ---------------------------------------------------------
-    def add_instance(self, instance_id: str, role: str) -> None:
+    def add_instance(self, instance_id: str, role: Role) -> None:
         if instance_id not in self.instances:
             self.instances[instance_id] = InstanceLoad(instance_id, role)
 
-    def min_kv_tokens(self, roles: Iterable[str]) -> int | None:
+    def min_kv_tokens(self, roles: Iterable[Role]) -> int | None:
         """The KV tokens of the smallest reported pool among healthy instances of `roles`;
         None before any of them reported."""
         sizes = [
@@ -187,7 +187,7 @@ class RouterPolicy:
         while len(self.pool_blocks) > self.config.max_tracked_blocks:
             self.pool_blocks.popitem(last=False)
 
-    def _live(self, role: str) -> list[InstanceLoad]:
+    def _live(self, role: Role) -> list[InstanceLoad]:
         return [i for i in self.instances.values() if i.role == role and i.healthy]
 
     # ---- decisions -------------------------------------------------------------------

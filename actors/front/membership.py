@@ -16,13 +16,14 @@ from ray.actor import ActorHandle
 from pdcluster.actors.front.flights import Flights
 from pdcluster.actors.front.instances import Instances
 from pdcluster.actors.messages import KVEvents
+from pdcluster.routing.role import Role
 
 logger = logging.getLogger(__name__)
 
 MEMBERS_POLL_S = 1.0  # how often the pool's membership is re-read
 LATENCY_REPORT_ROUNDS = 5  # membership polls between two latency reports to the planner
 
-Members = Callable[[], dict[str, str] | None]  # instance id -> role; None: cannot tell
+Members = Callable[[], dict[str, Role] | None]  # instance id -> role; None: cannot tell
 PoolEvents = Callable[[str | None, int], KVEvents | None]  # after (epoch, cursor)
 ReportLatency = Callable[[float | None, float | None], None]  # TTFT, TPOT p90 (ms)
 
@@ -93,7 +94,7 @@ class Membership:
         self._policy.apply_pool_events(events.stored, events.removed, reset)
         self._kv_pool_cursor = (events.epoch, events.cursor)
 
-    def _read(self) -> tuple[dict[str, str] | None, dict[str, ActorHandle]]:
+    def _read(self) -> tuple[dict[str, Role] | None, dict[str, ActorHandle]]:
         members = self._members()
         joined = [iid for iid in members or () if iid not in self._instances]
         handles = {}
@@ -103,7 +104,7 @@ class Membership:
                 handles[iid] = handle
         return members, handles
 
-    def _apply(self, members: dict[str, str] | None, handles: dict[str, ActorHandle]) -> None:
+    def _apply(self, members: dict[str, Role] | None, handles: dict[str, ActorHandle]) -> None:
         """Start pulling joined instances, drop left ones; None (unknown) changes nothing."""
         if members is None:
             return

@@ -44,7 +44,7 @@ class Decision:
     """What one role should have; `desired == current` holds. `reason` names the deciding
     signal and its value against its threshold."""
 
-    role: str
+    role: Role
     current: int
     desired: int
     reason: str
@@ -68,11 +68,11 @@ def signals_from_stats(
     stats: Iterable[InstanceStats],
     ttft_p90_ms: float | None = None,
     tpot_p90_ms: float | None = None,
-) -> dict[str, RoleSignals]:
+) -> dict[Role, RoleSignals]:
     """`RoleSignals` of every role that has instances in `stats` (one per instance, as the
     instances publish them), counting healthy instances only. TTFT p90, measured at the
     gateway, goes to prefill; TPOT p90 to decode."""
-    healthy: dict[str, list[InstanceStats]] = {}
+    healthy: dict[Role, list[InstanceStats]] = {}
     for s in stats:
         healthy.setdefault(s.role, [])
         if s.healthy:
@@ -109,11 +109,11 @@ class Planner:
         self.settings = settings
         self.clock = clock
         self.roles = [r for r in AUTOSCALED_ROLES if settings.role(r) is not None]
-        self.desired: dict[str, int] = {}  # per role, as last decided (for metrics)
+        self.desired: dict[Role, int] = {}  # per role, as last decided (for metrics)
         self.last_decisions: list[Decision] = []
-        self._last_change_s: dict[str, float] = {}  # per role, clock time of its last change
+        self._last_change_s: dict[Role, float] = {}  # per role, clock time of its last change
 
-    def decide(self, signals: dict[str, RoleSignals]) -> list[Decision]:
+    def decide(self, signals: dict[Role, RoleSignals]) -> list[Decision]:
         """One decision per autoscaled role. A role missing from `signals` has no live
         instance (it is brought back to its min)."""
         now = self.clock()
@@ -125,7 +125,7 @@ class Planner:
         self.last_decisions = decisions
         return decisions
 
-    def _decide_role(self, role: str, s: RoleSignals | None, now: float) -> Decision:
+    def _decide_role(self, role: Role, s: RoleSignals | None, now: float) -> Decision:
         bounds = self.settings.role(role)
         count = s.count if s else 0
         letter = _LETTERS[role]
@@ -146,7 +146,7 @@ class Planner:
         return self._scale_down_or_hold(role, count, measures, held, now)
 
     def _scale_down_or_hold(
-        self, role: str, count: int, measures: list[_Signal], held: str, now: float
+        self, role: Role, count: int, measures: list[_Signal], held: str, now: float
     ) -> Decision:
         """One instance fewer when every measure would stay under its scale-down threshold
         (`scale_down_fraction` × target) with that instance gone; `count` is at least 2."""
@@ -161,7 +161,7 @@ class Planner:
         )
         return self._step(role, count, count - 1, reason, now)
 
-    def _step(self, role: str, count: int, desired: int, reason: str, now: float) -> Decision:
+    def _step(self, role: Role, count: int, desired: int, reason: str, now: float) -> Decision:
         """A one-instance step to `desired` (never below min: callers check), unless max or
         the cooldown holds it."""
         up = desired > count
@@ -176,7 +176,7 @@ class Planner:
             return Decision(role, count, count, f"{reason}, but cooling down {wait_s:.0f}s")
         return Decision(role, count, desired, reason)
 
-    def _signals(self, role: str, s: RoleSignals) -> list[_Signal]:
+    def _signals(self, role: Role, s: RoleSignals) -> list[_Signal]:
         """The role's load measures against their scale-up targets (latencies when set)."""
         if role == Role.PREFILL:
             p = self.settings.prefill

@@ -34,9 +34,9 @@ def instance_index(instance_id: str) -> int:
     return int(instance_id.rsplit("-", 1)[1])
 
 
-def next_indices(members: dict[str, str]) -> Counter[str]:
+def next_indices(members: dict[str, Role]) -> Counter[Role]:
     """Per role, the first index no member uses (a restarted controller never reuses one)."""
-    indices: Counter[str] = Counter()
+    indices: Counter[Role] = Counter()
     for iid, role in members.items():
         indices[role] = max(indices[role], instance_index(iid) + 1)
     return indices
@@ -67,7 +67,7 @@ class PoolPlan:
     next_indices = staticmethod(next_indices)
 
     @staticmethod
-    def newest_first(role: str, members: dict[str, str]) -> list[str]:
+    def newest_first(role: Role, members: dict[str, Role]) -> list[str]:
         """The members of `role`, the newest (highest index) first: the first to drain."""
         ids = (i for i, r in members.items() if r == role)
         return sorted(ids, key=instance_index, reverse=True)
@@ -89,7 +89,7 @@ class PoolPlan:
         """One entry per instance the topology starts with."""
         return [r for r in Role for _ in range(self.config.role(r).count)]
 
-    def instance_spec(self, role: str, instance_id: str, kv_pool: str | None) -> InstanceSpec:
+    def instance_spec(self, role: Role, instance_id: str, kv_pool: str | None) -> InstanceSpec:
         c = self.config
         return InstanceSpec(
             instance_id=instance_id,
@@ -103,7 +103,7 @@ class PoolPlan:
             stream_idle_timeout_s=c.router.stream_idle_timeout_s,
         )
 
-    def resources(self, role: str) -> dict[str, Any]:
+    def resources(self, role: Role) -> dict[str, Any]:
         """Ray's resource options for one instance of `role`."""
         spec = self.config.role(role)
         return {
@@ -112,26 +112,25 @@ class PoolPlan:
             "resources": dict(spec.resources),
         }
 
-    def demand(self, role: str) -> dict[str, float]:
+    def demand(self, role: Role) -> dict[str, float]:
         """The resources one instance of `role` asks Ray for (zeros left out)."""
         spec = self.config.role(role)
         demand = {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **spec.resources}
         return {k: v for k, v in demand.items() if v}
 
-    def drain_timeout_s(self, role: str) -> float:
+    def drain_timeout_s(self, role: Role) -> float:
         return self.config.role(role).drain_timeout_s
 
-    def check_scale(self, role: str, count: int, members: dict[str, str]) -> None:
-        """ValueError for a scale request that cannot be: an unknown role, a count out of
-        range, or one that leaves no instance to serve."""
-        Role.parse(role)
+    def check_scale(self, role: Role, count: int, members: dict[str, Role]) -> None:
+        """ValueError for a scale request that cannot be: a count out of range, or one that
+        leaves no instance to serve."""
         if not 0 <= count <= MAX_COUNT:
             raise ValueError(f"count must be in [0, {MAX_COUNT}], got {count}")
         others = sum(1 for r in members.values() if r in SERVING_ROLES and r != role)
         if role in SERVING_ROLES and count == 0 and others == 0:
             raise ValueError(f"removing the last {role} instance leaves none to serve")
 
-    def placement_timeout(self, role: str, count: int, free: dict[str, float]) -> PlacementTimeout:
+    def placement_timeout(self, role: Role, count: int, free: dict[str, float]) -> PlacementTimeout:
         return PlacementTimeout(
             f"{count} more {role} instance(s) did not come up: no new instance of the "
             f"pool answered for {self.ready_timeout_s:.0f} s; each needs {self.demand(role)}; "
@@ -151,8 +150,8 @@ class PoolPlan:
 
     def planner_state(
         self,
-        members: dict[str, str],
-        decisions: Counter[tuple[str, str]],
+        members: dict[str, Role],
+        decisions: Counter[tuple[Role, str]],
         round_s: float | None,
     ) -> PlannerState:
         """Desired count per role (the planner's, else the actual), decisions made
