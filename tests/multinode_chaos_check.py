@@ -86,7 +86,7 @@ def check(model_dir: str, ray_cluster) -> dict[str, Any]:
         after = stats_by_id(pd)[victim]
         assert_clean(pd, baseline, timeout_s=60)
         final = pd.wait_idle()
-        pool_entries = ray.get(kv_pool_actor(pd).stats.remote())["num_entries"]
+        pool_entries = ray.get(kv_pool_actor(pd).stats.remote()).num_entries
     expected = LLM(model_dir, **SMALL_ENGINE).generate(prompts, params)
     return {
         "victim_running_at_kill": before.scheduler.num_running,

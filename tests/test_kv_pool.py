@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from pdcluster.actors.kv_pool import KVPoolActor
+from pdcluster.actors.pool_messages import KVPoolStats
 from pdcluster.connectors.kv_pool_index import KVPoolIndex, PoolPublish
 from pdcluster.connectors.ray_kv_pool import RayKVPoolConnector
 from pdcluster.engine import LLM, SamplingParams
@@ -135,7 +136,7 @@ def run(llm: LLM, prompt: list[int]):
     return llm.generate({"prompt_token_ids": prompt}, PARAMS)[0]
 
 
-def pool_stats(pool) -> dict:
+def pool_stats(pool) -> KVPoolStats:
     return ray.get(pool.stats.remote())
 
 
@@ -158,7 +159,7 @@ def test_a_prefix_computed_on_one_instance_is_loaded_on_another(preset_dir, make
     turn1 = run(first, PROMPT)
     assert turn1.outputs[0].token_ids == reference(PROMPT)
     # The first instance published prompt and output: 37 + 6 tokens, 10 full blocks computed.
-    assert wait_until(lambda: pool_stats(pool)["num_blocks"] == 10)
+    assert wait_until(lambda: pool_stats(pool).num_blocks == 10)
 
     follow_up = [*PROMPT, *turn1.outputs[0].token_ids, 7, 8, 9]
     turn2 = run(second, follow_up)
@@ -171,7 +172,7 @@ def test_a_prefix_computed_on_one_instance_is_loaded_on_another(preset_dir, make
     assert again.num_cached_tokens >= 40 and second.engine.stats()["kv_pool_hits"] == 1
     for llm in (first, second):
         assert_all_free(llm)
-    assert pool_stats(pool)["num_pinned_entries"] == 0
+    assert pool_stats(pool).num_pinned_entries == 0
 
 
 def test_a_small_pool_evicts_the_least_recently_used(preset_dir, make_pool, reference):
@@ -183,10 +184,10 @@ def test_a_small_pool_evicts_the_least_recently_used(preset_dir, make_pool, refe
     writer = pooled_llm(path, pool)
     other = [p + 100 for p in PROMPT]
     run(writer, PROMPT)
-    assert wait_until(lambda: pool_stats(pool)["num_entries"] == 1)
+    assert wait_until(lambda: pool_stats(pool).num_entries == 1)
     run(writer, other)
-    assert wait_until(lambda: pool_stats(pool)["num_evictions"] == 1)
-    assert pool_stats(pool)["num_bytes"] <= pool_stats(pool)["capacity_bytes"]
+    assert wait_until(lambda: pool_stats(pool).num_evictions == 1)
+    assert pool_stats(pool).num_bytes <= pool_stats(pool).capacity_bytes
 
     reader = pooled_llm(path, pool)
     kept = run(reader, [*other, 1])  # first: its publish (2 new blocks) evicts nothing
@@ -203,7 +204,7 @@ def test_an_object_lost_mid_load_means_recompute_and_a_lost_owner_misses(
 ):
     path, pool = preset_dir("tiny-llama"), make_pool()
     run(pooled_llm(path, pool), PROMPT)
-    assert wait_until(lambda: pool_stats(pool)["num_entries"] == 1)
+    assert wait_until(lambda: pool_stats(pool).num_entries == 1)
     reader = pooled_llm(path, pool, kv_load_failure_policy="fail")  # a handoff's, not a cache's
     connector = reader.engine.kv_connector
     start_load_kv = connector.start_load_kv
@@ -269,7 +270,7 @@ def test_after_its_p_is_killed_a_follow_up_turn_loads_prompt_and_reply_from_the_
         turn1 = cluster.generate([{"prompt_token_ids": PROMPT}], PARAMS)[0]
         assert turn1.token_ids == reference(PROMPT)
         # P published the prompt's 9 full blocks, D the block its reply filled.
-        assert wait_until(lambda: pool_stats(pool)["num_blocks"] == 10)
+        assert wait_until(lambda: pool_stats(pool).num_blocks == 10)
         assert wait_until(lambda: len(cluster.front.policy.pool_blocks) == 10)  # the router's view
         first_p = next(s for s in cluster.stats() if s.role == "prefill" and s.kv_pool.publishes)
         ray.kill(cluster.instances[first_p.instance_id][1], no_restart=False)
@@ -284,7 +285,7 @@ def test_after_its_p_is_killed_a_follow_up_turn_loads_prompt_and_reply_from_the_
         assert sum(s.kv_pool.hit_tokens for s in prefills) == 40
         assert sum(s.scheduler.prefix_cache_hits for s in prefills) == 0
         assert_clean(cluster, baseline)
-        assert pool_stats(pool)["num_pinned_entries"] == 0
+        assert pool_stats(pool).num_pinned_entries == 0
         held = set(ray.get(pool.object_ids.remote()))
         assert held
 
@@ -294,7 +295,7 @@ def test_after_its_p_is_killed_a_follow_up_turn_loads_prompt_and_reply_from_the_
         assert wait_until(lambda: _answers_empty(pool), RESTART_TIMEOUT_S)
         turn3 = cluster.generate([{"prompt_token_ids": [*follow_up, 5]}], PARAMS)[0]
         assert turn3.token_ids == reference([*follow_up, 5])
-        assert wait_until(lambda: pool_stats(pool)["num_entries"] > 0)
+        assert wait_until(lambda: pool_stats(pool).num_entries > 0)
         assert_clean(cluster, baseline)
         held = set(ray.get(pool.object_ids.remote()))
     assert wait_until(lambda: not held & live_object_ids())  # the pool ended with the cluster
@@ -302,7 +303,7 @@ def test_after_its_p_is_killed_a_follow_up_turn_loads_prompt_and_reply_from_the_
 
 def _answers_empty(pool) -> bool:
     try:
-        return ray.get(pool.stats.remote(), timeout=5)["num_entries"] == 0
+        return ray.get(pool.stats.remote(), timeout=5).num_entries == 0
     except ray.exceptions.RayError:  # restarting
         return False
 
