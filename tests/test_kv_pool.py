@@ -87,6 +87,15 @@ def test_an_entry_of_blocks_held_already_or_too_large_is_not_kept():
         index.add(entry([1, 2], "e", (3,), 1))
 
 
+def test_the_owner_reports_its_index_and_its_publishes_as_one_kv_pool_stats():
+    owner = KVPoolActor(capacity_bytes=100, pin_s=5)  # the plain class: no Ray
+    owner.index.add(entry([1, 2], "a", (2,), 20))
+    stats = asyncio.run(owner.stats())
+    assert isinstance(stats, KVPoolStats)
+    assert (stats.num_entries, stats.num_blocks, stats.num_bytes) == (1, 2, 20)
+    assert stats.to_dict()["capacity_bytes"] == 100 and stats.num_failed_publishes == 0
+
+
 # ---- routing with the pool's tier --------------------------------------------------------------
 def test_a_prefix_the_pool_holds_draws_requests_less_than_one_only_a_p_holds():
     shared, tail = list(range(1000, 1032)), list(range(9000, 9008))  # 8 blocks, then 2
