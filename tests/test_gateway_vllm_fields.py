@@ -299,3 +299,38 @@ def test_langchain_chat_openai_with_vllm_fields(base_url, client):
     assert answer.response_metadata["finish_reason"] == "length"
     assert answer.usage_metadata["output_tokens"] == 8
     assert "".join(chunk.content for chunk in llm.stream(messages)) == answer.content
+
+
+# guidellm's requests, field for field (its openai_http backend, synthetic text data): the
+# default-suite twin of test_guidellm.py, which runs guidellm itself against `serve`.
+GUIDELLM_STREAM = {
+    "stream": True,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    "stop": None,
+    "ignore_eos": True,
+}
+GUIDELLM_BODIES = {
+    "/v1/completions": {"prompt": "one two three four five", "max_tokens": 7},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "one two three"}]}],
+        "max_completion_tokens": 7,
+    },
+}
+
+
+@pytest.mark.parametrize("path", GUIDELLM_BODIES)
+def test_guidellm_requests_stream_every_usage_and_the_asked_length(base_url, path):
+    body = {"model": MODEL, **GUIDELLM_STREAM, **GUIDELLM_BODIES[path]}
+    with httpx.stream("POST", f"{base_url}{path}", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line for line in response.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data:")) for line in lines[:-1]]
+    # guidellm keeps the last usage it reads and counts output tokens from it.
+    assert all(chunk.get("usage") for chunk in chunks)
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == 7 and usage["prompt_tokens"] > 0
+    # Completions stream `text`; chat streams `delta.content`, the first delta the role alone.
+    choices = [chunk["choices"][0] for chunk in chunks if chunk["choices"]]
+    text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices)
+    assert text

@@ -1,6 +1,7 @@
 """guidellm, vLLM's benchmark tool, against a live `pdcluster serve`: a short synthetic run
 with no failed request. guidellm streams with vLLM's `stream_options.continuous_usage_stats`
-and reads the usage of every chunk.
+and reads the usage of every chunk. Its requests, field for field, are also sent in the default
+suite (test_gateway_vllm_fields.py, test_guidellm_requests_*), which needs no guidellm.
 
 guidellm is large (it pulls its own torch): it is installed into a venv of its own under the
 cache dir (PDCLUSTER_CACHE, default ~/.cache/pdcluster) on first use, and the test skips,

@@ -17,7 +17,8 @@ from pdcluster.cluster.api.beam_serving import run_to_end
 from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
 from pdcluster.cluster.api.errors import APIError
 from pdcluster.cluster.api.prompt_logprobs import prompt_logprobs_json
-from pdcluster.cluster.api.serving import Group, Result, Serving, usage
+from pdcluster.cluster.api.results import Group, Result, usage
+from pdcluster.cluster.api.serving import Serving
 from pdcluster.cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse, UsageIn
 from pdcluster.cluster.api.tools import ToolCallParser, forced_call_schema
 from pdcluster.engine.outputs import TopLogprobs
@@ -139,9 +140,10 @@ class Chat:
         role = {"role": "assistant", "content": ""}
         for result in group.results:
             choice = {"index": result.index, "delta": role, "logprobs": None, "finish_reason": None}
-            yield sse.event([choice])
+            # As vLLM: with continuous usage, every chunk carries it, the role's included.
+            yield sse.event([choice], usage(group.results) if usage_in.every_chunk else None)
         num_sent = [0] * len(group.results)  # tokens whose logprobs went out (held-back text waits)
-        async with contextlib.aclosing(self.serving.merged([group])) as outputs:
+        async with contextlib.aclosing(self.serving.runner.merged([group])) as outputs:
             async for result, out in outputs:
                 if not out.finished and (not out.new_text or tool_parser is not None):
                     continue  # text held back (an incomplete character, a possible stop string)
