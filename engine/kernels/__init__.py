@@ -1,9 +1,11 @@
 """CPU kernels the engine builds for itself at first use, each with a torch fallback.
 
 The C++ next to this file is compiled by torch's extension JIT (a C++ compiler and ninja,
-`torch.utils.cpp_extension.load`; ~1 minute on 2 cores) once per machine kind and cached under
-~/.cache/torch_extensions ($TORCH_EXTENSIONS_DIR), so later processes load the built library
-in well under a second.
+`torch.utils.cpp_extension.load`; ~1 minute on 2 cores) once per machine kind and source
+folder, and cached under ~/.cache/torch_extensions ($TORCH_EXTENSIONS_DIR), so later processes
+load the built library in well under a second. Each source folder (an installed copy, a
+checkout) has a build of its own: ninja rebuilds whatever was built from other paths, so two
+sharing one would rebuild each other's in turn.
 Where it cannot be built (no compiler, a torch without its headers), callers run their torch
 path instead; that is logged once. Nothing here is needed for correctness. The operators:
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -69,15 +72,17 @@ def _build_and_load() -> None:
     variant = re.sub(
         r"\W", "_", f"py{sys.version_info[0]}{sys.version_info[1]}_{torch.__version__}"
     )
+    sources = Path(__file__).parent
+    folder = hashlib.sha1(str(sources).encode()).hexdigest()[:10]
     root = root / variant  # one build per Python and torch
-    build_dir = root / name
+    build_dir = root / f"{name}_{folder}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{name}.lock", "w") as lock:
+    with open(root / f"{build_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when this process exits, however
         (build_dir / "lock").unlink(missing_ok=True)
         load(
             name=name,
-            sources=[str(Path(__file__).parent / source) for source in SOURCES],
+            sources=[str(sources / source) for source in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
