@@ -22,6 +22,7 @@ from pdcluster.actors.messages import InstanceStats
 from pdcluster.cluster.api.admin_protocol import ScaleRequest
 from pdcluster.cluster.api.chat import Chat
 from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
+from pdcluster.cluster.api.cluster_client import ClusterClient
 from pdcluster.cluster.api.completions import Completions
 from pdcluster.cluster.api.completions_protocol import CompletionRequest
 from pdcluster.cluster.api.errors import APIError
@@ -29,7 +30,7 @@ from pdcluster.cluster.api.guard import Guard
 from pdcluster.cluster.api.metrics import GatewayMetrics
 from pdcluster.cluster.api.responses import NOT_STORED, Responses
 from pdcluster.cluster.api.responses_protocol import ResponsesRequest
-from pdcluster.cluster.api.serving import ClusterClient, Serving
+from pdcluster.cluster.api.serving import Serving
 from pdcluster.cluster.api.tokens import detokenize, tokenize
 from pdcluster.cluster.api.tokens_protocol import DetokenizeRequest, TokenizeRequest
 from pdcluster.cluster.config import GatewaySettings

@@ -17,7 +17,8 @@ from pdcluster.cluster.api.beam_search import BeamSearch, BeamSearchParams
 from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
 from pdcluster.cluster.api.completions_protocol import CompletionRequest
 from pdcluster.cluster.api.errors import APIError
-from pdcluster.cluster.api.serving import Group, Result, Serving
+from pdcluster.cluster.api.results import Group, Result
+from pdcluster.cluster.api.serving import Serving
 from pdcluster.engine.outputs import TopLogprobs
 from pdcluster.engine.request import Request
 from pdcluster.engine.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ async def run_to_end(
     if body.use_beam_search:
         await run_beam_search(serving, http, groups, body.length_penalty)
     else:
-        await serving.run_to_end(http, groups)
+        await serving.runner.run_to_end(http, groups)
 
 
 async def run_beam_search(
@@ -111,7 +112,7 @@ async def _expand(
         for i, beam in enumerate(search.live)
     ]
     results = [Result(i, 0, r.num_prompt_tokens) for i, r in enumerate(requests)]
-    await serving.run_to_end(http, [Group(requests, results)])
+    await serving.runner.run_to_end(http, [Group(requests, results)])
     return results
 
 

@@ -19,7 +19,8 @@ from pdcluster.cluster.api.prompt_logprobs import (
     legacy_entries,
     prompt_logprobs_json,
 )
-from pdcluster.cluster.api.serving import Group, Result, Serving, best, usage
+from pdcluster.cluster.api.results import Group, Result, best, usage
+from pdcluster.cluster.api.serving import Serving
 from pdcluster.cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse, UsageIn
 
 
@@ -116,7 +117,7 @@ class Completions:
             text = echoes[result.prompt_index]
             choice = {"index": result.index, "text": text, "logprobs": None, "finish_reason": None}
             yield sse.event([choice])
-        async with contextlib.aclosing(self.serving.merged(groups)) as outputs:
+        async with contextlib.aclosing(self.serving.runner.merged(groups)) as outputs:
             async for result, out in outputs:
                 text, entries = out.new_text, None
                 if logprobs is not None:

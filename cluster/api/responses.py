@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from pdcluster.cluster.api.chat import Chat
 from pdcluster.cluster.api.errors import APIError
 from pdcluster.cluster.api.responses_protocol import ResponsesRequest
-from pdcluster.cluster.api.serving import Group, Result, usage
+from pdcluster.cluster.api.results import Group, Result, usage
 from pdcluster.cluster.api.sse import EventStreamResponse, named_event
 from pdcluster.cluster.api.tools import ToolCallParser, parse_tool_calls
 
@@ -53,7 +53,7 @@ class Responses:
         draft = Draft(rid, time.time(), body, group, self.serving.model_name)
         if body.stream:
             return EventStreamResponse(self._events(draft, tool_parser))
-        await self.serving.run_to_end(http, [group])
+        await self.serving.runner.run_to_end(http, [group])
         result = group.results[0]
         return JSONResponse(draft.finished(result, output_items(result, tool_parser)))
 
@@ -70,7 +70,7 @@ class Responses:
             for event in events.open_message(message_id, 0):
                 yield event
         result = draft.group.results[0]
-        async with contextlib.aclosing(self.serving.merged([draft.group])) as outputs:
+        async with contextlib.aclosing(self.serving.runner.merged([draft.group])) as outputs:
             async for _, out in outputs:
                 if tool_parser is None and out.new_text:
                     yield events.text_delta(message_id, 0, out.new_text)

@@ -1,34 +1,32 @@
 """What every generating endpoint shares: turning a validated body into engine requests
-(sampling params, context checks, n/best_of groups, grammars, images, chat templates), and
-driving those requests on the cluster while their metrics are recorded."""
+(sampling params, context checks, n/best_of groups, grammars, images, chat templates) and
+logprob tokens into text. Driving the requests on the cluster: runner.py."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import urllib.request
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlparse
 
 from fastapi import Request
 
-from pdcluster.actors.messages import InstanceStats
-from pdcluster.actors.pool_messages import KVPoolStats, PlannerState
 from pdcluster.cluster.api.body import BodyT, parse_body
 from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
+from pdcluster.cluster.api.cluster_client import ClusterClient
 from pdcluster.cluster.api.completions_protocol import CompletionRequest
-from pdcluster.cluster.api.errors import RETRY_AFTER_S, APIError
+from pdcluster.cluster.api.errors import APIError
 from pdcluster.cluster.api.metrics import GatewayMetrics
+from pdcluster.cluster.api.results import Group, Result
+from pdcluster.cluster.api.runner import GroupRunner
 from pdcluster.cluster.api.tokens_protocol import TokenizeRequest
 from pdcluster.cluster.config import GatewaySettings
 from pdcluster.engine.multimodal import decode_data_url, load_image
-from pdcluster.engine.outputs import EngineCoreOutput, PromptLogprobs, TopLogprobs
+from pdcluster.engine.outputs import TopLogprobs
 from pdcluster.engine.request import Request as EngineRequest
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.structured_output import GrammarCompiler
@@ -42,73 +40,12 @@ from pdcluster.routing.handoff import max_new_tokens
 
 logger = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.1
 IMAGE_FETCH_TIMEOUT_S = 10.0
 
 
-class ClusterClient(Protocol):
-    """What the gateway needs of a cluster (cluster.client.Cluster provides it)."""
-
-    tokenizer: Tokenizer
-
-    def make_request(
-        self,
-        prompt: Any,
-        params: SamplingParams,
-        request_id: str,
-        cache_salt: str | None = None,
-        priority: int = 0,
-    ) -> EngineRequest: ...
-
-    kv_tokens_per_instance: int | None
-    priority_scheduling: bool  # requests may carry a non-zero priority
-    num_moves: int  # streams moved off a lost instance so far (router.migration_limit)
-
-    def stream_group(
-        self, requests: list[EngineRequest]
-    ) -> AsyncIterator[tuple[int, EngineCoreOutput]]: ...
-
-    async def stats_async(self, timeout_s: float = ...) -> list[InstanceStats]: ...
-
-    async def scale(self, role: str, count: int) -> dict[str, str]: ...
-
-    async def planner_state(self) -> PlannerState: ...
-
-    async def kv_pool_stats(self, timeout_s: float = ...) -> KVPoolStats | None: ...
-
-
-@dataclass
-class Result:
-    """One sequence's output as it accumulates."""
-
-    index: int  # its choice's
-    prompt_index: int  # the prompt it samples: usage counts each prompt once
-    num_prompt_tokens: int
-    num_cached_tokens: int = 0  # of the prompt's, found in an instance's prefix cache
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when alternatives were asked
-    prompt_logprobs: PromptLogprobs | None = None  # when asked (or echoed with logprobs)
-    finish_reason: str | None = None
-    error: str | None = None
-    unavailable: bool = False  # the error was the cluster's (see EngineCoreOutput)
-
-    @property
-    def cumulative_logprob(self) -> float:
-        return sum(self.logprobs)
-
-
-@dataclass
-class Group:
-    """The sequences sampling one prompt (n, best_of), run together (`stream_group`)."""
-
-    requests: list[EngineRequest]
-    results: list[Result]
-
-
 class Serving:
-    """One gateway replica's request building and running, shared by its endpoints."""
+    """One gateway replica's request building, shared by its endpoints; `runner` runs the
+    requests."""
 
     def __init__(
         self,
@@ -122,7 +59,7 @@ class Serving:
         self.settings = settings
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.metrics = metrics
+        self.runner = GroupRunner(cluster, metrics)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -324,80 +261,6 @@ class Serving:
             return _continued(prompt, messages[-1])
         return prompt
 
-    # ---- running ---------------------------------------------------------------------
-    async def _outputs(self, group: Group) -> AsyncGenerator[tuple[Result, EngineCoreOutput], None]:
-        """Drive one prompt's sequences, accumulating their results and recording their
-        metrics (also when the client goes away: closing or cancelling this aborts the
-        unfinished ones and counts them as aborted)."""
-        timers = [self.metrics.start(r.num_prompt_tokens) for r in group.requests]
-        try:
-            async with contextlib.aclosing(self.cluster.stream_group(group.requests)) as outputs:
-                async for i, out in outputs:
-                    result = group.results[i]
-                    timers[i].observe(out)
-                    result.text += out.new_text
-                    result.token_ids += out.new_token_ids
-                    result.logprobs += out.new_logprobs or []
-                    result.top_logprobs += out.new_top_logprobs or []
-                    result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
-
-                    result.prompt_logprobs = out.prompt_logprobs or result.prompt_logprobs
-                    if out.finished:
-                        result.finish_reason, result.error = out.finish_reason, out.error
-                        result.unavailable = out.unavailable
-                    yield result, out
-        finally:
-            for timer, result in zip(timers, group.results):
-                timer.finish(result.finish_reason)
-
-    async def run_to_end(self, http: Request, groups: list[Group]) -> None:
-        """Non-streaming: every sequence at once, into its result. A client that disconnects,
-        or a sequence that fails, aborts the others."""
-
-        async def drain() -> None:
-            async with contextlib.aclosing(self.merged(groups)) as outputs:
-                async for result, out in outputs:
-                    if out.finish_reason == "error":
-                        raise _failure(result)
-
-        work = asyncio.ensure_future(drain())
-        watch = asyncio.ensure_future(_wait_disconnect(http))
-        try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:
-                work.cancel()
-                raise APIError(499, "client closed the request", "client_closed")
-        finally:
-            watch.cancel()
-        work.result()
-
-    async def merged(
-        self, groups: list[Group]
-    ) -> AsyncGenerator[tuple[Result, EngineCoreOutput], None]:
-        """Outputs of several prompts' sequences as they arrive (closing this aborts all)."""
-        if len(groups) == 1:  # no task and queue hop between the cluster and the client
-            async with contextlib.aclosing(self._outputs(groups[0])) as outputs:
-                async for item in outputs:
-                    yield item
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(group: Group) -> None:
-            async with contextlib.aclosing(self._outputs(group)) as outputs:
-                async for item in outputs:
-                    queue.put_nowait(item)
-
-        tasks = [asyncio.ensure_future(pump(group)) for group in groups]
-        remaining = sum(len(g.results) for g in groups)
-        try:
-            while remaining:
-                result, out = await queue.get()
-                remaining -= out.finished
-                yield result, out
-        finally:
-            for task in tasks:
-                task.cancel()
-
     # ---- token texts -----------------------------------------------------------------
     def token_text(self, token_id: int, as_id: bool = False) -> str:
         """A logprob entry's token: its text, or "token_id:N" (return_tokens_as_token_ids)."""
@@ -425,36 +288,6 @@ def _continued(prompt: str, final: dict[str, Any]) -> str:
     return prompt[: end + len(content)]
 
 
-def usage(results: list[Result]) -> dict[str, int]:
-    """Each prompt counted once, however many sequences sampled it; every sequence's tokens."""
-    prompt = sum({r.prompt_index: r.num_prompt_tokens for r in results}.values())
-    completion = sum(len(r.token_ids) for r in results)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def best(results: list[Result], n: int) -> list[Result]:
-    """The n results of one prompt with the highest cumulative log-probability (best_of),
-    as choices numbered after the prompt's."""
-    if len(results) == n:
-        return results
-    ranked = sorted(results, key=lambda r: r.cumulative_logprob, reverse=True)[:n]
-    return [dataclasses.replace(r, index=r.prompt_index * n + i) for i, r in enumerate(ranked)]
-
-
-def _failure(result: Result) -> APIError:
-    """A non-streamed request's error: 503 when it lost its instance (a retry may succeed)."""
-    if result.unavailable:
-        return APIError(
-            503, result.error or "no instance could serve the request", "unavailable",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )  # fmt: skip
-    return APIError(500, result.error or "the request failed", "request_failed")
-
-
 def _download(url: str, max_bytes: int) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=IMAGE_FETCH_TIMEOUT_S) as response:  # noqa: S310
@@ -464,8 +297,3 @@ def _download(url: str, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise ValueError(f"image at {url} exceeds {max_bytes} bytes")
     return data
-
-
-async def _wait_disconnect(http: Request) -> None:
-    while not await http.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
