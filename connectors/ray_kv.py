@@ -1,9 +1,8 @@
 """KV connector over Ray's object store.
 
 Producer (prefill): when a `do_remote_decode` request finishes, its prompt blocks are published
-with ONE `ray.put` of NumPy views over runs of consecutive block ids of the pool (no gather
-copy; the put is the only copy on P). The blocks and the object reference stay held until
-the consumer acks, the lease expires, or the send is cancelled.
+with ONE `ray.put` of NumPy views over runs of consecutive block ids of the pool, held until
+the consumer acks, the lease expires, or the send is cancelled (connectors/ray_kv_producer.py).
 
 Consumer (decode): the load is started without blocking (the fetch is kicked and a future
 awaits it); once the object is local, its zero-copy views are copied straight into the
@@ -22,10 +21,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -47,35 +44,18 @@ from pdcluster.connectors.ray_kv_layout import (
     checked_handle,
     plan_segments,
 )
-from pdcluster.engine.request import Request, RequestStatus
+from pdcluster.connectors.ray_kv_producer import RayKVProducer
+from pdcluster.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("producer", "consumer", "both")
-_SENDABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-_COUNTERS = (
-    "num_sends",
-    "num_loads",
-    "num_failed_loads",
-    "leases_expired",
-    "acks_received",
-    "acks_ignored",
-    "sends_cancelled",
-    "bytes_sent",
-    "bytes_received",
-)
+_LOAD_COUNTERS = ("num_loads", "num_failed_loads", "bytes_received")
 
 AckSender = Callable[[str, str], None]
 # How long start_load_kv waits for the futures of objects already in this node's store: they
 # resolve in well under 1 ms; the bound only keeps a surprise from stalling the step loop.
 LOCAL_RESOLVE_TIMEOUT_S = 0.1
-
-
-@dataclass
-class _PendingSend:
-    ref: ray.ObjectRef
-    deadline_s: float
-    nbytes: int
 
 
 class _ActorAckSender:
@@ -119,16 +99,13 @@ class RayKVConnector(KVConnectorBase):
         self._transfer_s: Callable[[int], float] | None = None
         self._blocks: BlockArrays | None = None  # the KV pool, once registered
         # Producer: blocks stay referenced until the consumer acks or the lease expires.
-        self._sends: dict[str, _PendingSend] = {}
-        self._released: set[str] = set()  # acked or cancelled, not yet reported
-        self._send_lock = threading.Lock()  # ack and cancel_sends may come from RPC threads
+        self._producer = RayKVProducer(engine_id, block_size, lease_s, self._block_arrays)
         # Consumer: a request id is claimed from allocation until it finishes here.
         self._claimed: set[str] = set()
         self._new_loads: list[RayKVLoad] = []
         self._inflight: dict[str, RayKVLoad] = {}
         self._failed: set[str] = set()
-        self._counters = dict.fromkeys(_COUNTERS, 0)
-        self._publish_ms = Latency()
+        self._counters = dict.fromkeys(_LOAD_COUNTERS, 0)
         self._load_ms = Latency()  # start_load_kv -> copied into our blocks
 
     @property
@@ -154,89 +131,31 @@ class RayKVConnector(KVConnectorBase):
             raise RuntimeError("register_kv_caches() must be called before moving KV")
         return self._blocks
 
-    # ---- producer --------------------------------------------------------------------------
+    # ---- producer (RayKVProducer) ---------------------------------------------------------
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, KVTransferParams | None]:
         self._claimed.discard(request.request_id)
-        if not self.is_producer or request.status not in _SENDABLE:
+        if not self.is_producer:
             return False, None
-        params = request.kv_transfer_params
-        if params is None or not params.do_remote_decode:
-            return False, None
-        num_tokens = request.num_computed_tokens
-        num_blocks = -(-num_tokens // self.block_size)
-        if num_tokens <= 0 or len(block_ids) < num_blocks:
-            logger.warning(
-                "request %r: %d blocks cannot hold %d computed tokens; KV not published",
-                request.request_id,
-                len(block_ids),
-                num_tokens,
-            )
-            return False, None
-        handle = self._publish(request.request_id, list(block_ids[:num_blocks]))
-        return True, KVTransferParams(
-            do_remote_prefill=True,
-            remote_engine_id=self.engine_id,
-            remote_request_id=request.request_id,
-            num_tokens=num_tokens,
-            handle=handle,
-        )
-
-    def _publish(self, request_id: str, block_ids: list[int]) -> RayKVHandle:
-        """One ray.put of the blocks' runs; the ref is held until ack, lease or cancel."""
-        blocks = self._block_arrays()
-        start_s = time.perf_counter()
-        arrays, run_lengths = blocks.runs(block_ids)
-        ref = ray.put(arrays)
-        nbytes = sum(a.nbytes for a in arrays)
-        self._publish_ms.add((time.perf_counter() - start_s) * 1e3)
-        with self._send_lock:
-            if request_id in self._sends:
-                logger.warning("request %r published twice; first copy dropped", request_id)
-            self._sends[request_id] = _PendingSend(ref, time.monotonic() + self.lease_s, nbytes)
-            self._counters["num_sends"] += 1
-            self._counters["bytes_sent"] += nbytes
-        return RayKVHandle(ref, run_lengths, blocks.block_shape, blocks.dtype, nbytes)
+        return self._producer.request_finished(request, block_ids)
 
     def ack(self, request_id: str) -> None:
-        """The consumer has read `request_id`: the object is dropped now, the blocks are
-        released at the next get_finished. Late (after the lease), duplicate and unknown acks
-        are counted and ignored. Thread-safe: called from the actor's RPC thread."""
-        with self._send_lock:
-            self._counters["acks_received"] += 1
-            if self._sends.pop(request_id, None) is None:
-                self._counters["acks_ignored"] += 1
-            else:
-                self._released.add(request_id)
+        """The consumer has read `request_id` (see RayKVProducer.ack). Thread-safe: called
+        from the actor's RPC thread."""
+        self._producer.ack(request_id)
 
     def has_pending(self) -> bool:
-        return bool(self._sends) or self.needs_polling()
+        return bool(self._producer.num_pending) or self.needs_polling()
 
     def needs_polling(self) -> bool:
-        return bool(self._released or self._new_loads or self._inflight or self._failed)
+        loads = self._new_loads or self._inflight or self._failed
+        return self._producer.has_released or bool(loads)
 
     def cancel_sends(self, request_ids: set[str] | list[str]) -> None:
-        """Aborted on P before the consumer read: the object is dropped now and the requests
+        """Aborted on P before the consumer read: the objects are dropped now and the requests
         are reported at the next get_finished. Unknown ids are ignored. Thread-safe."""
-        with self._send_lock:
-            for request_id in request_ids:
-                if self._sends.pop(request_id, None) is not None:
-                    self._released.add(request_id)
-                    self._counters["sends_cancelled"] += 1
-
-    def _collect_finished_sends(self) -> set[str]:
-        """Released since the last call, plus sends whose lease ran out (their refs dropped)."""
-        now = time.monotonic()
-        with self._send_lock:
-            done, self._released = self._released, set()
-            expired = [rid for rid, send in self._sends.items() if send.deadline_s <= now]
-            for request_id in expired:
-                del self._sends[request_id]
-            self._counters["leases_expired"] += len(expired)
-        for request_id in expired:
-            logger.warning("request %r: KV lease expired before the consumer acked", request_id)
-        return done.union(expired)
+        self._producer.cancel(request_ids)
 
     # ---- consumer: scheduler side ----------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -341,7 +260,7 @@ class RayKVConnector(KVConnectorBase):
         concurrent.futures.wait(local_futures, timeout=LOCAL_RESOLVE_TIMEOUT_S)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        finished_sending = self._collect_finished_sends() if self.is_producer else set()
+        finished_sending = self._producer.collect_finished() if self.is_producer else set()
         finished_recving: set[str] = set()
         now = self._clock()
         for rid, load in list(self._inflight.items()):
@@ -394,18 +313,17 @@ class RayKVConnector(KVConnectorBase):
         self._inflight.clear()
         self._failed.clear()
         self._claimed.clear()
-        with self._send_lock:
-            self._sends.clear()
-            self._released.clear()
+        self._producer.clear()
 
     def stats(self) -> dict[str, Any]:
         return {
+            **self._producer.counters,
             **self._counters,
-            "num_pending_sends": len(self._sends),
+            "num_pending_sends": self._producer.num_pending,
             "num_pending_recvs": len(self._inflight) + len(self._new_loads),
             "last_transfer_ms": self._load_ms.last,
             "mean_transfer_ms": self._load_ms.mean,
             "transfer_ms_histogram": self._load_ms.histogram(),
-            "last_publish_ms": self._publish_ms.last,
-            "mean_publish_ms": self._publish_ms.mean,
+            "last_publish_ms": self._producer.publish_ms.last,
+            "mean_publish_ms": self._producer.publish_ms.mean,
         }
