@@ -8,6 +8,7 @@ here (`start_processes`), Ray actors pinned to the instance's node in the cluste
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -22,6 +23,7 @@ from pdcluster.engine.models.tiered_linear import prepare_linears
 from pdcluster.engine.parallel import (
     Comm,
     LogitsRows,
+    RankLost,
     gather_kv_heads,
     local_num_kv_heads,
     make_store,
@@ -213,7 +215,10 @@ class TensorParallelGroup:
         return {"tensor_parallel_size": self.comm.world_size, **self.workers.stats()}
 
     def shutdown(self) -> None:
-        self.comm.broadcast_object(Stop())
+        """Stop every worker: told to, or (a rank lost, so no collective can reach them)
+        killed once the wait is over."""
+        with contextlib.suppress(RankLost):
+            self.comm.broadcast_object(Stop())
         self.workers.stop()
 
 

@@ -3,9 +3,14 @@ with the rank-1 worker a local process."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
+import torch
 
 from pdcluster.engine.llm import LLM
+from pdcluster.engine.parallel import RankLost
 from pdcluster.engine.sampling_params import SamplingParams
 from tests.arch_checkpoints import make_checkpoint
 
@@ -64,6 +69,45 @@ def test_tp2_equals_tp1_llama(preset_dir, chunked):
 @pytest.mark.slow
 def test_tp2_equals_tp1_moe(moe_dir):
     assert_same(generate(moe_dir, 1), generate(moe_dir, 2))
+
+
+ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def test_tp2_kv_blocks_carry_every_head_in_tp1s_order(preset_dir):
+    """What a P->D handoff between TP sizes moves (test_tensor_parallel_cluster.py runs
+    P2->D1 and P1->D2 on a cluster, slow): blocks read on TP2 hold every rank's heads as TP1
+    holds them, and full-head blocks written on TP2 read back as given."""
+    model = preset_dir("tiny-llama")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    tp1 = LLM(model, dtype="float32", num_blocks=64)
+    tp1.generate(prompts, ONE_TOKEN)
+    want = tp1.engine.runner.kv_cache.clone()  # [blocks, layers, 2, block_size, heads, dim]
+    tp2 = LLM(model, dtype="float32", tensor_parallel_size=2, num_blocks=64)
+    try:
+        tp2.generate(prompts, ONE_TOKEN)
+        group = tp2.engine.tp
+        assert group.block_shape == want.shape[1:]
+        assert want.abs().sum() > 0
+        torch.testing.assert_close(group.read_blocks(0, len(want)), want, atol=TOL, rtol=0)
+        flipped = want.flip(0)  # every block somewhere else: each rank writes its heads
+        group.write_blocks(0, flipped)
+        torch.testing.assert_close(group.read_blocks(0, len(want)), flipped, atol=0, rtol=0)
+    finally:
+        tp2.engine.shutdown()
+
+
+def test_a_dead_worker_is_a_lost_rank_not_a_hang(preset_dir):
+    """The engine half of test_tensor_parallel_cluster.py's dead worker (slow): the next
+    step after a rank's process dies raises RankLost, which ends the instance."""
+    llm = LLM(preset_dir("tiny-llama"), dtype="float32", tensor_parallel_size=2, num_blocks=64)
+    try:
+        (pid,) = llm.engine.tp.stats()["tp_worker_pids"]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RankLost, match="tensor-parallel rank lost"):
+            llm.generate({"prompt_token_ids": PROMPTS[0]}, ONE_TOKEN)
+    finally:
+        llm.engine.shutdown()
 
 
 def test_tp_size_that_cannot_split_is_a_clear_error(preset_dir):

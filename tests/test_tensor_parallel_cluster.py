@@ -49,7 +49,7 @@ def role(tp: int) -> dict:
         pytest.param(1, 2, marks=pytest.mark.slow),
     ],
     ids=["P2-D2", "P2-D1", "P1-D2"],
-)
+)  # P2-D1 and P1-D2's blocks between TP sizes: test_tensor_parallel.py, in the default run
 def test_1p1d_at_tp_matches_colocated_tp1(ray_session, tp_model, tp1_reference, p_tp, d_tp):
     prompts, expected_ids, tp1_kv_bytes = tp1_reference
     with start(tp_model, prefill=role(p_tp), decode=role(d_tp)) as cluster:
@@ -70,7 +70,8 @@ LONG = dataclasses.replace(GREEDY, max_tokens=400)  # streams still running when
 @pytest.mark.slow
 def test_dead_worker_ends_its_instance_and_streams_move(ray_session, tp_model):
     """SIGKILL of one TP worker: its instance exits (a crash to Ray, which restarts it with
-    new workers), its streams move to the other instance and end as an undisturbed run."""
+    new workers), its streams move to the other instance and end as an undisturbed run.
+    (The engine's half, RankLost on the next step, runs in the default suite.)"""
     prompts = mixed_prompts(with_images=False)
     expected = [o.token_ids for o in LLM(tp_model, **SMALL_ENGINE).generate(prompts, LONG)]
     with start(tp_model, mixed={**role(2), "count": 2}) as cluster:
