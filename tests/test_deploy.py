@@ -24,14 +24,10 @@ import jsonschema
 import pytest
 import yaml
 
-from pdcluster.actors.messages import (
-    InstanceStats,
-    KVTransferStats,
-    LatencyHistogram,
-    SchedulerStats,
-)
+from pdcluster.actors.messages import InstanceStats, SchedulerStats
 from pdcluster.cluster.api.metrics import GatewayMetrics
 from pdcluster.cluster.config import ClusterConfig
+from pdcluster.connectors.stats import KVTransferStats, LatencyHistogram
 
 REPO = Path(__file__).resolve().parents[1]
 CRD_DIR = REPO.parent / "shared" / "kuberay-crds"

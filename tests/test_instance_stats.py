@@ -7,13 +7,14 @@ import dataclasses
 import itertools
 from typing import Any
 
-from pdcluster.actors.messages import InstanceStats, KVPoolUse, LatencyHistogram, SchedulerStats
+from pdcluster.actors.messages import InstanceStats, SchedulerStats
 from pdcluster.cluster.api.app import _instance_view
 from pdcluster.cluster.api.metrics import GatewayMetrics
 from pdcluster.cluster.control.launch import Cluster
 from pdcluster.connectors.ray_ec import RayECConnector
 from pdcluster.connectors.ray_kv import RayKVConnector
 from pdcluster.connectors.ray_kv_pool import RayKVPoolConnector
+from pdcluster.connectors.stats import KVPoolUse, LatencyHistogram
 from pdcluster.engine import LLM
 
 SIM_ENGINE = {"block_size": 4, "num_blocks": 64, "max_model_len": 128}

@@ -23,8 +23,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from pdcluster.actors import instance_metrics
-from pdcluster.actors.messages import InstanceStats, LatencyHistogram
+from pdcluster.actors.messages import InstanceStats
 from pdcluster.actors.pool_messages import KVPoolStats, PlannerState
+from pdcluster.connectors.stats import LatencyHistogram
 from pdcluster.engine.outputs import EngineCoreOutput
 
 FINE_BUCKETS_S = (0.001, 0.0025, 0.005)
