@@ -130,7 +130,9 @@ class InstanceStats:
     @classmethod
     def from_engine(cls, engine: Mapping[str, Any], **instance: Any) -> InstanceStats:
         """The snapshot of an instance (`instance`: its own fields) whose engine reported
-        `engine` (`EngineCore.stats()` / `EncoderCore.stats()`, one flat mapping)."""
+        `engine` (`EngineCore.stats()` / `EncoderCore.stats()`: plain counters, and the
+        connectors' typed parts under the names of their fields here)."""
+        parts = {name: engine[name] for name in _CONNECTOR_PARTS if name in engine}
         histograms = {
             k: LatencyHistogram.from_engine(engine[k])
             for k in ("transfer_ms_histogram", "kv_pool_load_ms_histogram")
@@ -148,10 +150,13 @@ class InstanceStats:
             scheduler=_part(SchedulerStats, flat),
             kv_transfer=_part(KVTransferStats, flat),
             kv_pool=_part(KVPoolUse, flat, "kv_pool_"),
-            ec=_part(ECStats, flat, "ec_"),
             tensor_parallel=tensor_parallel,
             sim=_part(SimStats, flat, "sim_") if "sim_steps" in flat else None,
+            **parts,
         )
+
+
+_CONNECTOR_PARTS = ("ec",)  # the typed parts an engine reports as they are
 
 
 _Part = TypeVar("_Part")

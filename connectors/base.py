@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pdcluster.connectors.stats import ECStats
+
 if TYPE_CHECKING:
     import torch
 
@@ -227,6 +229,10 @@ class ECConnectorBase(ABC):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving) since the last call."""
         return set(), set()
+
+    def stats(self) -> ECStats:
+        """This connector's counters as a consumer (zero where it loads nothing)."""
+        return ECStats()
 
     def shutdown(self) -> None:  # noqa: B027
         """Release everything this connector holds."""

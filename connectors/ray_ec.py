@@ -24,6 +24,7 @@ import ray
 import torch
 
 from pdcluster.connectors.base import ECConnectorBase
+from pdcluster.connectors.stats import ECStats
 from pdcluster.engine.outputs import SchedulerOutput
 from pdcluster.engine.request import Request
 
@@ -138,13 +139,8 @@ class RayECConnector(ECConnectorBase):
                     self._ready.pop(mm_hash, None)  # never loaded: the request went away
         return set(), set()
 
-    def stats(self) -> dict[str, int]:
-        return {
-            "ec_pending": len(self._handles),
-            "ec_loaded": self.num_loaded,
-            "ec_fallbacks": self.num_fallbacks,
-            "ec_bytes_loaded": self.bytes_loaded,
-        }
+    def stats(self) -> ECStats:
+        return ECStats(len(self._handles), self.num_loaded, self.num_fallbacks, self.bytes_loaded)
 
     def shutdown(self) -> None:
         self.outbox.clear()

@@ -214,10 +214,14 @@ class EngineCore:
         """Every request this instance holds state for, finished-but-held ones included."""
         return list(self.scheduler.requests)
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, object]:
+        """The plain counters of the scheduler, runner and workers, the KV cache's size, and
+        the EC connector's `ECStats` under `ec` (where this core has one)."""
         stats = {**self.scheduler.stats(), "kv_cache_bytes": self.runner.kv_cache.nbytes}
-        for part in (self.runner, self.kv_connector, self.ec_connector, self.tp):
+        for part in (self.runner, self.kv_connector, self.tp):
             stats.update(getattr(part, "stats", dict)())
+        if self.ec_connector is not None:
+            stats["ec"] = self.ec_connector.stats()
         return stats
 
     # ---- one step --------------------------------------------------------------------

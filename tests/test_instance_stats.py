@@ -27,8 +27,12 @@ def engine_keys(preset_dir) -> set[str]:
     keys |= set(LLM("sim:h100-llama-3.1-8b", **SIM_ENGINE).engine.stats())
     keys |= set(RayKVConnector("P0", "producer", block_size=4).stats())
     keys |= set(RayKVPoolConnector(None, block_size=4).stats())
-    keys |= set(RayECConnector("consumer").stats())
     return keys | {"tensor_parallel_size", "tp_worker_pids", "tp_worker_actor_ids"}
+
+
+def connector_parts() -> dict[str, Any]:
+    """The typed parts an instance's connectors report, under `EngineCore.stats()`'s keys."""
+    return {"ec": RayECConnector("consumer").stats()}
 
 
 def leaves(value: Any) -> list[Any]:
@@ -49,12 +53,14 @@ def test_every_engine_figure_lands_in_a_typed_field(preset_dir):
             flat[key] = [next(counter)]
         else:
             flat[key] = next(counter)
-    stats = InstanceStats.from_engine(flat, instance_id="P0", role="prefill")
+    parts = connector_parts()
+    stats = InstanceStats.from_engine({**flat, **parts}, instance_id="P0", role="prefill")
     found = set(leaves(dataclasses.asdict(stats)))
     lost = {
         k: v for k, v in flat.items() if not isinstance(v, dict) and not set(leaves(v)) <= found
     }
     assert not lost, f"engine figures without a field: {sorted(lost)}"
+    assert {name: getattr(stats, name) for name in parts} == parts
     assert stats.kv_transfer.transfer_ms_histogram == LatencyHistogram((1.0, 2.0), (3, 4), 5.0, 4)
     assert stats.kv_pool.load_ms_histogram == stats.kv_transfer.transfer_ms_histogram
     assert stats.sim is not None

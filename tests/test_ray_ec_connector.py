@@ -65,7 +65,7 @@ def test_deferred_until_the_outputs_land_and_their_arrival_wakes_the_instance(
     assert woken.wait(30)
     assert not ec.awaits_outputs("img-a")
     assert ec.ensure_cache_available(request, 0) and ec.has_cache_item("img-a")
-    assert ec.stats()["ec_pending"] == 0 and ec.stats()["ec_fallbacks"] == 0
+    assert ec.stats().pending == 0 and ec.stats().fallbacks == 0
 
 
 def test_a_failed_encoder_call_wakes_and_falls_back_to_local_encoding(
@@ -75,4 +75,4 @@ def test_a_failed_encoder_call_wakes_and_falls_back_to_local_encoding(
     ray_session.get(gate.open.remote())
     assert woken.wait(30)
     assert ec.ensure_cache_available(request, 0)  # proceeds, encoding locally
-    assert not ec.has_cache_item("img-b") and ec.stats()["ec_fallbacks"] == 1
+    assert not ec.has_cache_item("img-b") and ec.stats().fallbacks == 1
