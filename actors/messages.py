@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
-from pdcluster.connectors.stats import ECStats, KVPoolUse, KVTransferStats, LatencyHistogram
+from pdcluster.connectors.stats import ECStats, KVPoolUse, KVTransferStats
 from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.routing.role import Role
 
@@ -133,30 +133,22 @@ class InstanceStats:
         `engine` (`EngineCore.stats()` / `EncoderCore.stats()`: plain counters, and the
         connectors' typed parts under the names of their fields here)."""
         parts = {name: engine[name] for name in _CONNECTOR_PARTS if name in engine}
-        histograms = {
-            k: LatencyHistogram.from_engine(engine[k])
-            for k in ("transfer_ms_histogram", "kv_pool_load_ms_histogram")
-            if k in engine
-        }
-        flat = {**engine, **histograms}
         tensor_parallel = TensorParallelStats(
-            size=flat.get("tensor_parallel_size", 1),
-            worker_pids=tuple(flat.get("tp_worker_pids", ())),
-            worker_actor_ids=tuple(flat.get("tp_worker_actor_ids", ())),
+            size=engine.get("tensor_parallel_size", 1),
+            worker_pids=tuple(engine.get("tp_worker_pids", ())),
+            worker_actor_ids=tuple(engine.get("tp_worker_actor_ids", ())),
         )
         return cls(
             **instance,
-            kv_cache_bytes=flat.get("kv_cache_bytes", 0),
-            scheduler=_part(SchedulerStats, flat),
-            kv_transfer=_part(KVTransferStats, flat),
-            kv_pool=_part(KVPoolUse, flat, "kv_pool_"),
+            kv_cache_bytes=engine.get("kv_cache_bytes", 0),
+            scheduler=_part(SchedulerStats, engine),
             tensor_parallel=tensor_parallel,
-            sim=_part(SimStats, flat, "sim_") if "sim_steps" in flat else None,
+            sim=_part(SimStats, engine, "sim_") if "sim_steps" in engine else None,
             **parts,
         )
 
 
-_CONNECTOR_PARTS = ("ec",)  # the typed parts an engine reports as they are
+_CONNECTOR_PARTS = ("kv_transfer", "kv_pool", "ec")  # typed parts an engine reports as they are
 
 
 _Part = TypeVar("_Part")

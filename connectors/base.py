@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pdcluster.connectors.stats import ECStats
+from pdcluster.connectors.stats import ECStats, KVConnectorStats
 
 if TYPE_CHECKING:
     import torch
@@ -188,6 +188,10 @@ class KVConnectorBase(ABC):
         """Whether this request's failed load is recomputed whatever `kv_load_failure_policy`
         says: True for a cache's load (the KV pool's), False for a prefill's handoff."""
         return False
+
+    def stats(self) -> KVConnectorStats:
+        """This connector's counters (none reported by default)."""
+        return KVConnectorStats()
 
     def shutdown(self) -> None:  # noqa: B027
         """Release everything this connector holds."""

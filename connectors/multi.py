@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase, KVTransferParams
+from pdcluster.connectors.stats import KVConnectorStats
 from pdcluster.engine.request import Request
 
 C = TypeVar("C", bound=KVConnectorBase)
@@ -123,8 +124,5 @@ class MultiKVConnector(KVConnectorBase):
         for connector in self.connectors:
             connector.shutdown()
 
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for connector in self.connectors:
-            out.update(getattr(connector, "stats", dict)())
-        return out
+    def stats(self) -> KVConnectorStats:
+        return KVConnectorStats.combined(c.stats() for c in self.connectors)

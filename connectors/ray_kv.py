@@ -45,12 +45,13 @@ from pdcluster.connectors.ray_kv_layout import (
     plan_segments,
 )
 from pdcluster.connectors.ray_kv_producer import RayKVProducer
+from pdcluster.connectors.stats import KVConnectorStats, KVTransferStats
 from pdcluster.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("producer", "consumer", "both")
-_LOAD_COUNTERS = ("num_loads", "num_failed_loads", "bytes_received")
+_LOAD_COUNTERS = ("num_loads", "num_failed_loads", "bytes_received")  # KVTransferStats fields
 
 AckSender = Callable[[str, str], None]
 # How long start_load_kv waits for the futures of objects already in this node's store: they
@@ -315,15 +316,18 @@ class RayKVConnector(KVConnectorBase):
         self._claimed.clear()
         self._producer.clear()
 
-    def stats(self) -> dict[str, Any]:
-        return {
+    def stats(self) -> KVConnectorStats:
+        transfer = KVTransferStats(
             **self._producer.counters,
             **self._counters,
-            "num_pending_sends": self._producer.num_pending,
-            "num_pending_recvs": len(self._inflight) + len(self._new_loads),
-            "last_transfer_ms": self._load_ms.last,
-            "mean_transfer_ms": self._load_ms.mean,
-            "transfer_ms_histogram": self._load_ms.histogram(),
-            "last_publish_ms": self._producer.publish_ms.last,
-            "mean_publish_ms": self._producer.publish_ms.mean,
-        }
+            last_transfer_ms=self._load_ms.last,
+            mean_transfer_ms=self._load_ms.mean,
+            transfer_ms_histogram=self._load_ms.histogram(),
+            last_publish_ms=self._producer.publish_ms.last,
+            mean_publish_ms=self._producer.publish_ms.mean,
+        )
+        return KVConnectorStats(
+            kv_transfer=transfer,
+            num_pending_sends=self._producer.num_pending,
+            num_pending_recvs=len(self._inflight) + len(self._new_loads),
+        )

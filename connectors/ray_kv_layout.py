@@ -8,13 +8,14 @@ import concurrent.futures
 import math
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
 import torch
 
 from pdcluster.connectors.base import KVHandle, KVLoadError, KVTransferParams
+from pdcluster.connectors.stats import LatencyHistogram
 
 if TYPE_CHECKING:
     from pdcluster.connectors.base import HeadShardedKV
@@ -243,11 +244,7 @@ class Latency:
     def mean(self) -> float | None:
         return self._total / self._count if self._count else None
 
-    def histogram(self) -> dict[str, Any]:
-        """Cumulative counts per upper bound (ms), plus sum and count: Prometheus' shape."""
-        return {
-            "buckets_ms": list(self.BUCKETS_MS),
-            "counts": list(self._bucket_counts),
-            "sum_ms": self._total,
-            "count": self._count,
-        }
+    def histogram(self) -> LatencyHistogram:
+        return LatencyHistogram(
+            self.BUCKETS_MS, tuple(self._bucket_counts), self._total, self._count
+        )

@@ -37,20 +37,21 @@ from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase, KVTransfer
 from pdcluster.connectors.kv_pool_index import PoolHit, PoolPublish
 from pdcluster.connectors.ray_kv import LOCAL_RESOLVE_TIMEOUT_S
 from pdcluster.connectors.ray_kv_layout import BlockArrays, Latency, plan_segments
+from pdcluster.connectors.stats import KVConnectorStats, KVPoolUse
 from pdcluster.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 _PUBLISHABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-_COUNTERS = (
-    "kv_pool_hits",
-    "kv_pool_misses",
-    "kv_pool_hit_tokens",
-    "kv_pool_loads",
-    "kv_pool_failed_loads",
-    "kv_pool_publishes",
-    "kv_pool_bytes_published",
-    "kv_pool_bytes_loaded",
+_COUNTERS = (  # KVPoolUse fields
+    "hits",
+    "misses",
+    "hit_tokens",
+    "loads",
+    "failed_loads",
+    "publishes",
+    "bytes_published",
+    "bytes_loaded",
 )
 
 
@@ -143,7 +144,7 @@ class RayKVPoolConnector(KVConnectorBase):
             logger.warning("request %r: KV pool lookup failed: %s", rid, exc)
             hit = PoolHit(0)
         self._hits[rid] = _Hit(hit, first)  # a miss too: the request is not asked about again
-        self._counters["kv_pool_hits" if hit.num_blocks else "kv_pool_misses"] += 1
+        self._counters["hits" if hit.num_blocks else "misses"] += 1
 
     def _matched(self, rid: str, first: int) -> tuple[int, bool]:
         """Tokens of the answered hit after the `first` blocks the local cache now holds.
@@ -178,7 +179,7 @@ class RayKVPoolConnector(KVConnectorBase):
         end = found.first_block + found.hit.num_blocks
         self._new_loads.append(self._plan_load(rid, found, block_ids, end - num_blocks, end))
         self._loading.add(rid)
-        self._counters["kv_pool_hit_tokens"] += num_external_tokens
+        self._counters["hit_tokens"] += num_external_tokens
 
     def _plan_load(
         self, rid: str, found: _Hit, block_ids: list[int], first: int, end: int
@@ -243,8 +244,8 @@ class RayKVPoolConnector(KVConnectorBase):
             return False
         self._release(load)
         self._load_ms.add((self._clock() - load.started_s) * 1e3)
-        self._counters["kv_pool_loads"] += 1
-        self._counters["kv_pool_bytes_loaded"] += load.nbytes
+        self._counters["loads"] += 1
+        self._counters["bytes_loaded"] += load.nbytes
         return True
 
     def _fail(self, load: PoolLoad, reason: str) -> None:
@@ -254,7 +255,7 @@ class RayKVPoolConnector(KVConnectorBase):
         if rid in self._pooled:  # the pool lacks these blocks: the recomputed ones go there
             self._pooled[rid] = min(self._pooled[rid], load.first_block)
         self._failed.add(rid)
-        self._counters["kv_pool_failed_loads"] += 1
+        self._counters["failed_loads"] += 1
 
     def _release(self, load: PoolLoad) -> None:
         """Drop every reference to the load's objects and unpin them in the pool."""
@@ -309,8 +310,8 @@ class RayKVPoolConnector(KVConnectorBase):
         nbytes = sum(a.nbytes for a in arrays)
         put = functools.partial(self._put, tuple(block_hashes), run_lengths, nbytes, arrays)
         self._publishing.append(self._publisher.submit(put))
-        self._counters["kv_pool_publishes"] += 1
-        self._counters["kv_pool_bytes_published"] += nbytes
+        self._counters["publishes"] += 1
+        self._counters["bytes_published"] += nbytes
 
     def _put(
         self,
@@ -349,11 +350,12 @@ class RayKVPoolConnector(KVConnectorBase):
         self._publisher.shutdown(wait=True)  # the puts under way reach the pool
         self._publishing.clear()
 
-    def stats(self) -> dict[str, Any]:
-        return {
+    def stats(self) -> KVConnectorStats:
+        use = KVPoolUse(
             **self._counters,
-            "kv_pool_pending_loads": len(self._inflight) + len(self._new_loads),
-            "kv_pool_load_ms_histogram": self._load_ms.histogram(),
-            "kv_pool_mean_load_ms": self._load_ms.mean,
-            "kv_pool_mean_publish_ms": self._publish_ms.mean,
-        }
+            pending_loads=len(self._inflight) + len(self._new_loads),
+            load_ms_histogram=self._load_ms.histogram(),
+            mean_load_ms=self._load_ms.mean,
+            mean_publish_ms=self._publish_ms.mean,
+        )
+        return KVConnectorStats(kv_pool=use)

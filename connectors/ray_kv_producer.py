@@ -20,7 +20,7 @@ from pdcluster.engine.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 _SENDABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-SEND_COUNTERS = (
+SEND_COUNTERS = (  # KVTransferStats fields
     "num_sends",
     "leases_expired",
     "acks_received",

@@ -4,9 +4,9 @@ connector returns, what `EngineCore.stats()` carries and what `InstanceStats`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections import ChainMap
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -17,10 +17,6 @@ class LatencyHistogram:
     counts: tuple[int, ...]
     sum_ms: float
     count: int
-
-    @classmethod
-    def from_engine(cls, h: Mapping[str, Any]) -> LatencyHistogram:
-        return cls(tuple(h["buckets_ms"]), tuple(h["counts"]), h["sum_ms"], h["count"])
 
 
 @dataclass(frozen=True)
@@ -69,3 +65,26 @@ class ECStats:
     loaded: int = 0  # encoder outputs loaded from an E
     fallbacks: int = 0  # encoded here instead
     bytes_loaded: int = 0
+
+
+@dataclass(frozen=True)
+class KVConnectorStats:
+    """What a KV connector reports, each field under its key in `EngineCore.stats()`: the part
+    of each kind of connector it is or combines (None without one) and, where it keeps them,
+    its own counts of KV sends awaiting an ack and loads in flight (they replace the
+    scheduler's)."""
+
+    kv_transfer: KVTransferStats | None = None  # the P->D connector's
+    kv_pool: KVPoolUse | None = None  # the cluster KV pool connector's
+    num_pending_sends: int | None = None
+    num_pending_recvs: int | None = None
+
+    def reported(self) -> dict[str, object]:
+        """The fields this connector reports (not None), by name."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+    @classmethod
+    def combined(cls, parts: Iterable[KVConnectorStats]) -> KVConnectorStats:
+        """Each field from the first of `parts` that reports it (a combination holds one
+        connector of each kind)."""
+        return cls(**ChainMap(*(part.reported() for part in parts)))

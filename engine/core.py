@@ -216,10 +216,14 @@ class EngineCore:
 
     def stats(self) -> dict[str, object]:
         """The plain counters of the scheduler, runner and workers, the KV cache's size, and
-        the EC connector's `ECStats` under `ec` (where this core has one)."""
+        the connectors' typed parts: what the KV connector reports (`KVConnectorStats`, its
+        pending counts replacing the scheduler's) and the EC connector's `ECStats` under
+        `ec` (where this core has them)."""
         stats = {**self.scheduler.stats(), "kv_cache_bytes": self.runner.kv_cache.nbytes}
-        for part in (self.runner, self.kv_connector, self.tp):
+        for part in (self.runner, self.tp):
             stats.update(getattr(part, "stats", dict)())
+        if self.kv_connector is not None:
+            stats.update(self.kv_connector.stats().reported())
         if self.ec_connector is not None:
             stats["ec"] = self.ec_connector.stats()
         return stats

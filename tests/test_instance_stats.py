@@ -11,28 +11,38 @@ from pdcluster.actors.messages import InstanceStats, SchedulerStats
 from pdcluster.cluster.api.app import _instance_view
 from pdcluster.cluster.api.metrics import GatewayMetrics
 from pdcluster.cluster.control.launch import Cluster
+from pdcluster.connectors.multi import MultiKVConnector
 from pdcluster.connectors.ray_ec import RayECConnector
 from pdcluster.connectors.ray_kv import RayKVConnector
 from pdcluster.connectors.ray_kv_pool import RayKVPoolConnector
-from pdcluster.connectors.stats import KVPoolUse, LatencyHistogram
+from pdcluster.connectors.stats import KVConnectorStats, KVPoolUse
 from pdcluster.engine import LLM
 
 SIM_ENGINE = {"block_size": 4, "num_blocks": 64, "max_model_len": 128}
-HISTOGRAM = {"buckets_ms": [1.0, 2.0], "counts": [3, 4], "sum_ms": 5.0, "count": 4}
 
 
 def engine_keys(preset_dir) -> set[str]:
-    """The keys of every part an instance's engine may report."""
+    """The keys of the plain counters an instance's engine may report."""
     keys = set(LLM(preset_dir("tiny-llama"), num_blocks=16).engine.stats())
     keys |= set(LLM("sim:h100-llama-3.1-8b", **SIM_ENGINE).engine.stats())
-    keys |= set(RayKVConnector("P0", "producer", block_size=4).stats())
-    keys |= set(RayKVPoolConnector(None, block_size=4).stats())
     return keys | {"tensor_parallel_size", "tp_worker_pids", "tp_worker_actor_ids"}
+
+
+def handoff_and_pool() -> MultiKVConnector:
+    """A P's KV connector: the handoff to D and the cluster KV pool (no pool actor)."""
+    return MultiKVConnector(
+        [RayKVConnector("P0", "producer", block_size=4), RayKVPoolConnector(None, block_size=4)]
+    )
 
 
 def connector_parts() -> dict[str, Any]:
     """The typed parts an instance's connectors report, under `EngineCore.stats()`'s keys."""
-    return {"ec": RayECConnector("consumer").stats()}
+    kv = handoff_and_pool().stats()
+    return {
+        "kv_transfer": kv.kv_transfer,
+        "kv_pool": kv.kv_pool,
+        "ec": RayECConnector("consumer").stats(),
+    }
 
 
 def leaves(value: Any) -> list[Any]:
@@ -45,25 +55,33 @@ def leaves(value: Any) -> list[Any]:
 
 def test_every_engine_figure_lands_in_a_typed_field(preset_dir):
     counter = itertools.count(1000)
-    flat: dict[str, Any] = {}
-    for key in sorted(engine_keys(preset_dir)):
-        if key.endswith("_histogram"):
-            flat[key] = HISTOGRAM
-        elif key.startswith("tp_worker_"):
-            flat[key] = [next(counter)]
-        else:
-            flat[key] = next(counter)
+    flat = {
+        key: [next(counter)] if key.startswith("tp_worker_") else next(counter)
+        for key in sorted(engine_keys(preset_dir))
+    }
     parts = connector_parts()
     stats = InstanceStats.from_engine({**flat, **parts}, instance_id="P0", role="prefill")
     found = set(leaves(dataclasses.asdict(stats)))
-    lost = {
-        k: v for k, v in flat.items() if not isinstance(v, dict) and not set(leaves(v)) <= found
-    }
-    assert not lost, f"engine figures without a field: {sorted(lost)}"
-    assert {name: getattr(stats, name) for name in parts} == parts
-    assert stats.kv_transfer.transfer_ms_histogram == LatencyHistogram((1.0, 2.0), (3, 4), 5.0, 4)
-    assert stats.kv_pool.load_ms_histogram == stats.kv_transfer.transfer_ms_histogram
+    lost = sorted(k for k, v in flat.items() if not set(leaves(v)) <= found)
+    assert not lost, f"engine figures without a field: {lost}"
+    assert {name: getattr(stats, name) for name in parts} == parts  # as the connectors gave them
     assert stats.sim is not None
+
+
+def test_an_engine_carries_its_connectors_parts_as_they_report_them(preset_dir):
+    kv = handoff_and_pool()
+    llm = LLM(preset_dir("tiny-llama"), block_size=4, num_blocks=16, kv_connector=kv)
+    stats = llm.engine.stats()
+    assert (stats["kv_transfer"], stats["kv_pool"]) == (kv.stats().kv_transfer, kv.stats().kv_pool)
+    assert stats["kv_transfer"].transfer_ms_histogram.count == 0
+    assert "ec" not in stats  # no EC connector
+
+
+def test_a_combination_reports_each_field_from_the_first_connector_that_has_it():
+    pool = KVConnectorStats(kv_pool=KVPoolUse(hits=1), num_pending_sends=5)
+    combined = KVConnectorStats.combined([KVConnectorStats(num_pending_sends=2), pool])
+    assert combined == KVConnectorStats(kv_pool=KVPoolUse(hits=1), num_pending_sends=2)
+    assert KVConnectorStats.combined([]) == KVConnectorStats()
 
 
 def test_an_encoder_reports_its_queue_only():

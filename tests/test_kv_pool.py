@@ -13,6 +13,7 @@ from pdcluster.actors.kv_pool import KVPoolActor
 from pdcluster.actors.pool_messages import KVPoolStats
 from pdcluster.connectors.kv_pool_index import KVPoolIndex, PoolPublish
 from pdcluster.connectors.ray_kv_pool import RayKVPoolConnector
+from pdcluster.connectors.stats import KVPoolUse
 from pdcluster.engine import LLM, SamplingParams
 from pdcluster.routing.policy import RouterConfig, RouterPolicy, block_hashes
 from tests.cluster_utils import assert_clean, kv_pool_actor, live_object_ids, start, wait_until
@@ -149,10 +150,15 @@ def pool_stats(pool) -> KVPoolStats:
     return ray.get(pool.stats.remote())
 
 
+def pool_use(llm: LLM) -> KVPoolUse:
+    """The engine's use of the pool, as its stats carry it."""
+    return llm.engine.stats()["kv_pool"]
+
+
 def assert_all_free(llm: LLM) -> None:
     stats = llm.engine.stats()
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
-    assert stats["kv_pool_pending_loads"] == 0
+    assert stats["kv_pool"].pending_loads == 0
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +181,10 @@ def test_a_prefix_computed_on_one_instance_is_loaded_on_another(preset_dir, make
     assert turn2.outputs[0].token_ids == reference(follow_up)
     assert turn2.num_cached_tokens == 40  # every full block the first computed, the reply's too
     stats = second.engine.stats()
-    assert (stats["kv_pool_hits"], stats["kv_pool_hit_tokens"]) == (1, 40)
+    assert (stats["kv_pool"].hits, stats["kv_pool"].hit_tokens) == (1, 40)
     assert stats["prefix_cache_hits"] == 0  # nothing came from its own cache
     again = run(second, [*follow_up, 10])  # now from its own prefix cache, not the pool
-    assert again.num_cached_tokens >= 40 and second.engine.stats()["kv_pool_hits"] == 1
+    assert again.num_cached_tokens >= 40 and pool_use(second).hits == 1
     for llm in (first, second):
         assert_all_free(llm)
     assert pool_stats(pool).num_pinned_entries == 0
@@ -188,7 +194,7 @@ def test_a_small_pool_evicts_the_least_recently_used(preset_dir, make_pool, refe
     path = preset_dir("tiny-llama")
     probe = pooled_llm(path, make_pool())
     run(probe, PROMPT)
-    entry_bytes = probe.engine.stats()["kv_pool_bytes_published"]
+    entry_bytes = pool_use(probe).bytes_published
     pool = make_pool(int(entry_bytes * 1.5))  # room for one such entry, not two
     writer = pooled_llm(path, pool)
     other = [p + 100 for p in PROMPT]
@@ -204,7 +210,7 @@ def test_a_small_pool_evicts_the_least_recently_used(preset_dir, make_pool, refe
     assert (evicted.num_cached_tokens, kept.num_cached_tokens) == (0, 36)
     assert evicted.outputs[0].token_ids == reference([*PROMPT, 1])
     assert kept.outputs[0].token_ids == reference([*other, 1])
-    assert reader.engine.stats()["kv_pool_misses"] == 1
+    assert pool_use(reader).misses == 1
     assert_all_free(reader)
 
 
@@ -226,12 +232,8 @@ def test_an_object_lost_mid_load_means_recompute_and_a_lost_owner_misses(
     connector.start_load_kv = objects_lost_first
     out = run(reader, [*PROMPT, 1])
     assert out.outputs[0].token_ids == reference([*PROMPT, 1])
-    stats = reader.engine.stats()
-    assert (stats["kv_pool_hits"], stats["kv_pool_failed_loads"], stats["kv_pool_loads"]) == (
-        1,
-        1,
-        0,
-    )
+    use = pool_use(reader)
+    assert (use.hits, use.failed_loads, use.loads) == (1, 1, 0)
     assert_all_free(reader)
     # With the owner gone, lookups fail fast and count as misses: nothing waits on it.
     ray.kill(pool, no_restart=True)
@@ -239,7 +241,7 @@ def test_an_object_lost_mid_load_means_recompute_and_a_lost_owner_misses(
     assert run(reader, [p + 1 for p in PROMPT]).outputs[0].token_ids == reference(
         [p + 1 for p in PROMPT]
     )
-    assert reader.engine.stats()["kv_pool_misses"] == 1
+    assert pool_use(reader).misses == 1
 
 
 @ray.remote(num_cpus=0)

@@ -138,9 +138,9 @@ def test_round_trip_copies_exact_bytes_into_scattered_blocks(ray, num_computed):
 
     assert drain_sends(producer) == ["p1"]
     stats = producer.stats()
-    assert stats["num_pending_sends"] == 0 and stats["acks_ignored"] == 0
-    assert consumer.stats()["num_pending_recvs"] == 0
-    assert consumer.stats()["bytes_received"] > 0
+    assert stats.num_pending_sends == 0 and stats.kv_transfer.acks_ignored == 0
+    assert consumer.stats().num_pending_recvs == 0
+    assert consumer.stats().kv_transfer.bytes_received > 0
     del params
     assert wait_until(lambda: not our_objects_in_store([object_id]))
 
@@ -159,7 +159,7 @@ def test_local_object_lands_at_the_first_get_finished(ray):
     assert consumer.get_finished(set()) == (set(), {"d1"})
     assert ack_log.acks == [("prefill-0", "p1")]
     assert torch.equal(consumer._blocks.tensor[1:3], producer._blocks.tensor[4:6])
-    assert consumer.stats()["num_pending_recvs"] == 0 and not consumer.has_pending()
+    assert consumer.stats().num_pending_recvs == 0 and not consumer.has_pending()
     assert drain_sends(producer) == ["p1"]
 
 
@@ -189,7 +189,7 @@ def test_duplicate_and_unknown_acks_are_ignored(ray):
     producer.ack("p1")
     assert drain_sends(producer) == []
     stats = producer.stats()
-    assert stats["acks_ignored"] == 3 and stats["acks_received"] == 4
+    assert stats.kv_transfer.acks_ignored == 3 and stats.kv_transfer.acks_received == 4
     assert wait_until(lambda: not our_objects_in_store([object_id]))
 
 
@@ -201,11 +201,11 @@ def test_lease_expiry_without_ack_then_late_ack_ignored(ray):
     assert producer.get_finished(set()) == (set(), set())  # lease still running
     time.sleep(0.1)
     assert drain_sends(producer) == ["p1"]
-    assert producer.stats()["leases_expired"] == 1
+    assert producer.stats().kv_transfer.leases_expired == 1
     producer.ack("p1")  # the consumer read it after all
-    assert producer.stats()["acks_ignored"] == 1  # counted even while the step loop idles
+    assert producer.stats().kv_transfer.acks_ignored == 1  # counted even while the step loop idles
     assert drain_sends(producer) == []
-    assert producer.stats()["acks_ignored"] == 1
+    assert producer.stats().kv_transfer.acks_ignored == 1
     assert wait_until(lambda: not our_objects_in_store([object_id]))
 
 
@@ -218,7 +218,7 @@ def test_cancel_sends_reports_once_and_frees(ray):
     producer.cancel_sends(["a", "unknown"])
     # Dropped at once, even if the step loop is idle; reported at the next get_finished.
     assert wait_until(lambda: not our_objects_in_store([object_id]))
-    assert producer.stats()["num_pending_sends"] == 1  # "b" still awaits its ack
+    assert producer.stats().num_pending_sends == 1  # "b" still awaits its ack
     assert drain_sends(producer) == ["a"]
     producer.ack("a")  # a consumer that read before the cancel: ignored
     assert drain_sends(producer) == []
@@ -260,7 +260,7 @@ def test_load_whose_owner_died_fails_without_ack(ray, caplog):
     assert ack_log.acks == []
     assert consumer.get_failed_loads() == set()  # reported once
     assert consumer.get_num_new_matched_tokens(make_request("d1", 7, params), 0) == (0, False)
-    assert consumer.stats()["num_failed_loads"] == 1
+    assert consumer.stats().kv_transfer.num_failed_loads == 1
 
 
 def test_load_timeout_fails(ray):
@@ -333,7 +333,7 @@ def test_non_remote_requests_are_left_alone(ray):
     errored = finished_prefill("z", 6, status=RequestStatus.FINISHED_ERROR)
     assert producer.request_finished(errored, [0, 1]) == (False, None)
     assert consumer.request_finished(finished_prefill("w", 6), [0, 1]) == (False, None)
-    assert producer.stats()["num_sends"] == 0
+    assert producer.stats().kv_transfer.num_sends == 0
 
     assert consumer.get_num_new_matched_tokens(make_request("x", 6), 0) == (0, False)
     remote_params = {"do_remote_prefill": True, "handle": None}
@@ -351,7 +351,7 @@ def test_shutdown_drops_everything(ray):
     object_id = params.handle.ref.hex()
     del params
     producer.shutdown()
-    assert producer.stats()["num_pending_sends"] == 0
+    assert producer.stats().num_pending_sends == 0
     assert producer.get_finished(set()) == (set(), set())
     assert wait_until(lambda: not our_objects_in_store([object_id]))
 
