@@ -148,7 +148,9 @@ class InstanceStats:
         )
 
 
-_CONNECTOR_PARTS = ("kv_transfer", "kv_pool", "ec")  # typed parts an engine reports as they are
+# Fields an engine reports typed, under their own names (the connectors' parts); one it
+# does not report keeps its default (zero).
+_CONNECTOR_PARTS = ("kv_transfer", "kv_pool", "ec")
 
 
 _Part = TypeVar("_Part")
@@ -156,8 +158,8 @@ _Part = TypeVar("_Part")
 
 def _part(cls: type[_Part], flat: Mapping[str, Any], prefix: str = "") -> _Part:
     """`cls` from the keys of `flat` that name its fields (after `prefix`); the engine's
-    parts report only what they have (an encoder has no blocks, a mixed instance no KV
-    transfer), the rest keeps its default."""
+    parts report only what they have (an encoder has no blocks, a model no sim counters),
+    the rest keeps its default."""
     names = (f.name for f in fields(cls))  # type: ignore[arg-type]
     return cls(**{n: flat[prefix + n] for n in names if prefix + n in flat})
 
