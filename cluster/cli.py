@@ -9,12 +9,9 @@ import os
 import platform
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
+from pdcluster.cluster.serve_flags import add_serve_parser, load_serve_config
 from pdcluster.routing.role import Role
-
-if TYPE_CHECKING:
-    from pdcluster.cluster.config import ClusterConfig
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -106,92 +103,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# serve flag -> the role whose instance count it sets
-_ROLE_FLAGS = {
-    "encoders": Role.ENCODER,
-    "prefills": Role.PREFILL,
-    "decodes": Role.DECODE,
-    "mixed": Role.MIXED,
-}
-# serve flag -> (location in the config mapping, argparse type); unset flags keep the
-# YAML's (or the model's default) value, so every default stays defined once, in the config.
-_SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
-    "model": (("model",), str),
-    **{flag: ((role.value, "count"), int) for flag, role in _ROLE_FLAGS.items()},
-    "host": (("gateway", "host"), str),
-    "port": (("gateway", "port"), int),
-    "api_key": (("gateway", "api_key"), str),
-    "served_model_name": (("gateway", "served_model_name"), str),
-    "address": (("ray", "address"), str),
-    "num_blocks": (("engine", "num_blocks"), int),
-    "kv_cache_memory_fraction": (("engine", "kv_cache_memory_fraction"), float),
-    "block_size": (("engine", "block_size"), int),
-    "max_model_len": (("engine", "max_model_len"), int),
-    "max_num_seqs": (("engine", "max_num_seqs"), int),
-    "scheduling_policy": (("engine", "scheduling_policy"), str),
-    "device": (("engine", "device"), str),
-    "dtype": (("engine", "dtype"), str),
-    "quantization": (("engine", "quantization"), str),
-    "sim_time_scale": (("engine", "sim_time_scale"), float),
-    "tensor_parallel_size": (("engine", "tensor_parallel_size"), int),
-    "num_threads": (("engine", "num_threads"), int),
-    "migration_limit": (("router", "migration_limit"), int),
-    "kv_pool_size": (("connector", "kv_pool_size_gib"), float),
-}
-
-SERVE_EXAMPLES = """examples:
-  pdcluster serve --model preset:tiny-llama --prefills 1 --decodes 1
-  pdcluster serve --model /models/Llama-3.2-1B-Instruct --prefills 2 --decodes 1 --port 8080
-  pdcluster serve --config local-1e1p1d          # a built-in topology, by name
-  pdcluster serve --config my-topology.yaml --num-blocks 2048
-  pdcluster serve --config my-topology.yaml --kv-cache-memory-fraction 0.9   # KV by memory
-  pdcluster serve --model smollm2-135m --tensor-parallel-size 2   # each instance on 2 ranks
-  pdcluster serve --address 10.0.0.5:6379 --model /models/m --mixed 2   # an existing Ray
-
-Without --config the topology is exactly the role counts given (none: 1 prefill, 1 decode).
-Flags override the YAML; a role's own `engine:` overrides in the YAML still apply.
-On a Ray cluster with token authentication, set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH,
-or keep the token in ~/.ray/auth_token)."""
-
-
-def _describe(path: tuple[str, ...]) -> str:
-    """The config field's own description, for the flag's help."""
-    from pdcluster.cluster.config import ClusterConfig
-
-    if path[-1] == "count":
-        return f"{path[0]} instances"
-    model: type = ClusterConfig
-    for key in path[:-1]:
-        model = model.model_fields[key].annotation
-    return f"{model.model_fields[path[-1]].description} (config: {'.'.join(path)})"
-
-
-def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The config mapping the serve flags set (nested like the YAML)."""
-    overrides: dict[str, Any] = {}
-    for flag, (path, _) in _SERVE_OVERRIDES.items():
-        value = getattr(args, flag)
-        if value is None:
-            continue
-        node = overrides
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    if args.config is None:  # the topology is exactly the counts given
-        counts = {role: getattr(args, flag) or 0 for flag, role in _ROLE_FLAGS.items()}
-        if all(getattr(args, flag) is None for flag in _ROLE_FLAGS):
-            counts.update({Role.PREFILL: 1, Role.DECODE: 1})
-        for role, count in counts.items():
-            overrides.setdefault(role.value, {})["count"] = count
-    return overrides
-
-
-def load_serve_config(args: argparse.Namespace) -> ClusterConfig:
-    from pdcluster.cluster.config import ClusterConfig
-
-    return ClusterConfig.load(args.config, serve_overrides(args))
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pdcluster.cluster.serve import serve
 
@@ -280,7 +191,6 @@ def _scale_on_ray(
 
 def build_parser() -> argparse.ArgumentParser:
     from pdcluster import __version__
-    from pdcluster.cluster.config_yaml import builtin_config_names
 
     parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pdcluster {__version__}")
@@ -303,28 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser(
-        "serve",
-        help="start a cluster and its OpenAI-compatible gateway",
-        description="Start the instances of a topology on Ray (embedded, or --address) and "
-        "serve the OpenAI API until Ctrl-C or SIGTERM; then stop everything.",
-        epilog=SERVE_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--config",
-        default=None,
-        help="topology YAML file, or a built-in topology: " + ", ".join(builtin_config_names()),
-    )
-    for flag, (path, kind) in _SERVE_OVERRIDES.items():
-        p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help=_describe(path))
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="level of the startup progress lines and logs (default: INFO)",
-    )
-    p.set_defaults(func=_cmd_serve)
+    add_serve_parser(sub).set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("status", help="the instances of a running gateway, as a table")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")

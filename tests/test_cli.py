@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 import pdcluster
-from pdcluster.cluster.cli import build_parser, load_serve_config, main
+from pdcluster.cluster.cli import build_parser, main
+from pdcluster.cluster.serve_flags import load_serve_config
 from tests.cli_utils import (
     complete,
     descendants,

@@ -325,7 +325,8 @@ def _restarted(cluster, before: dict) -> bool:
 
 
 def test_kv_pool_size_flag_and_default():
-    from pdcluster.cluster.cli import build_parser, load_serve_config
+    from pdcluster.cluster.cli import build_parser
+    from pdcluster.cluster.serve_flags import load_serve_config
 
     def serve_config(*flags: str):
         return load_serve_config(build_parser().parse_args(["serve", *flags]))

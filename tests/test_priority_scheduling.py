@@ -10,8 +10,9 @@ import asyncio
 import httpx
 import pytest
 
-from pdcluster.cluster.cli import build_parser, load_serve_config
+from pdcluster.cluster.cli import build_parser
 from pdcluster.cluster.config import ClusterConfig
+from pdcluster.cluster.serve_flags import load_serve_config
 from pdcluster.engine import SamplingParams
 from pdcluster.engine.request import RequestStatus
 from pdcluster.engine.request_queue import FCFSQueue, PriorityQueue

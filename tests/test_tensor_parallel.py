@@ -117,8 +117,9 @@ def test_tp_size_that_cannot_split_is_a_clear_error(preset_dir):
 
 
 def test_tp_size_per_role_and_on_serve():
-    from pdcluster.cluster.cli import build_parser, load_serve_config
+    from pdcluster.cluster.cli import build_parser
     from pdcluster.cluster.config import ClusterConfig
+    from pdcluster.cluster.serve_flags import load_serve_config
 
     config = ClusterConfig.model_validate(
         {"model": "m", "prefill": {"count": 1, "engine": {"tensor_parallel_size": 2}}}
