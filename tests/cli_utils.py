@@ -23,10 +23,14 @@ def serve_command(*flags: str) -> list[str]:
 
 def serve_env(home: Path, **env: str) -> dict[str, str]:
     """The test's environment with HOME (and so ~/.ray) in `home`, the repository importable,
-    and the preset cache shared across the session; `env` on top (RAY_AUTH_* included)."""
+    and the preset cache and the built CPU kernels shared across the session; `env` on top
+    (RAY_AUTH_* included)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
     cache = os.environ.get("PDCLUSTER_CACHE", str(Path.home() / ".cache" / "pdcluster"))
-    base.update(HOME=str(home), PYTHONPATH=str(REPO), PDCLUSTER_CACHE=cache)
+    kernels = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/torch_extensions"))
+    base.update(
+        HOME=str(home), PYTHONPATH=str(REPO), PDCLUSTER_CACHE=cache, TORCH_EXTENSIONS_DIR=kernels
+    )
     return {**base, **env}
 
 

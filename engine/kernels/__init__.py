@@ -2,10 +2,11 @@
 
 The C++ next to this file is compiled by torch's extension JIT (a C++ compiler and ninja,
 `torch.utils.cpp_extension.load`; ~1 minute on 2 cores) once per machine kind and source
-folder, and cached under ~/.cache/torch_extensions ($TORCH_EXTENSIONS_DIR), so later processes
-load the built library in well under a second. Each source folder (an installed copy, a
-checkout) has a build of its own: ninja rebuilds whatever was built from other paths, so two
-sharing one would rebuild each other's in turn.
+content, and cached under ~/.cache/torch_extensions ($TORCH_EXTENSIONS_DIR), so later processes
+load the built library in well under a second. The build is keyed by the sources' content and
+compiled from a copy of them inside the build folder: every copy of the same sources (an
+installed package, a checkout, a Ray job's unpacked working dir) shares one build, since ninja
+sees the same paths, while a changed source gets a build of its own.
 Where it cannot be built (no compiler, a torch without its headers), callers run their torch
 path instead; that is logged once. Nothing here is needed for correctness. The operators:
 
@@ -72,17 +73,24 @@ def _build_and_load() -> None:
     variant = re.sub(
         r"\W", "_", f"py{sys.version_info[0]}{sys.version_info[1]}_{torch.__version__}"
     )
-    sources = Path(__file__).parent
-    folder = hashlib.sha1(str(sources).encode()).hexdigest()[:10]
+    files = sorted(Path(__file__).parent.glob("*.[ch]*"))  # the .cpp and the headers
+    content = hashlib.sha1()
+    for file in files:
+        content.update(file.name.encode() + b"\0" + file.read_bytes())
     root = root / variant  # one build per Python and torch
-    build_dir = root / f"{name}_{folder}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir = root / f"{name}_{content.hexdigest()[:12]}"
+    source_dir = build_dir / "src"
+    source_dir.mkdir(parents=True, exist_ok=True)
     with open(root / f"{build_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when this process exits, however
         (build_dir / "lock").unlink(missing_ok=True)
+        for file in files:  # same content, so rewriting one (a build killed mid-copy) is safe
+            copy = source_dir / file.name
+            if not copy.exists() or copy.read_bytes() != file.read_bytes():
+                copy.write_bytes(file.read_bytes())
         load(
             name=name,
-            sources=[str(sources / source) for source in SOURCES],
+            sources=[str(source_dir / source) for source in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
