@@ -152,6 +152,11 @@ class Cluster:
         return self.config.engine_settings(roles[0]).max_model_len
 
     @property
+    def serving_roles(self) -> frozenset[Role]:
+        """The topology's roles: /health is ready once each has a healthy instance."""
+        return frozenset(role for role in Role if self.config.role(role).count > 0)
+
+    @property
     def priority_scheduling(self) -> bool:
         """Whether requests may carry a priority (see `ClusterConfig.priority_scheduling`)."""
         return self.config.priority_scheduling()

@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from pdcluster.cluster.api.tool_parsers import PARSERS
 from pdcluster.cluster.autoscale_config import AUTOSCALED_ROLES, AutoscaleSettings
 from pdcluster.cluster.config_yaml import (
     StrictSection,
@@ -185,6 +186,21 @@ class GatewaySettings(StrictSection):
     replicas: int = Field(
         1, ge=1, le=64, description="gateway processes sharing the listen address (SO_REUSEPORT)"
     )
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template used instead of the model's, or a file "
+        "holding one (read when the config loads)",
+    )  # fmt: skip
+    chat_template_content_format: Literal["auto", "string", "openai"] = Field(
+        "auto", description="how messages' content reaches the template: as the template "
+        "reads it (auto), one string, or a list of OpenAI-style parts",
+    )  # fmt: skip
+    enable_auto_tool_choice: bool = Field(
+        False, description='serve tool_choice "auto" (the default with tools): calls read '
+        "from the output by tool_call_parser",
+    )  # fmt: skip
+    tool_call_parser: str | None = Field(
+        None, description=f"the format of auto tool calls: {', '.join(sorted(PARSERS))}"
+    )
     num_cpus: float = Field(
         0.0, ge=0, description="CPUs each gateway replica reserves (Serve replicas, and the "
         "actors of `replicas`); above 0 they never land on a head started with num-cpus 0",
@@ -195,6 +211,27 @@ class GatewaySettings(StrictSection):
         "{'pdcluster_gateway': 1}: replicas go only to nodes (KubeRay worker groups) that "
         "declare it, never to the head",
     )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _read_chat_template(cls, value: str | None) -> str | None:
+        if value is None or any(c in value for c in "{}\n"):
+            return value  # None, or the template itself
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{value!r} is neither a chat template nor a file holding one")
+        return path.read_text(encoding="utf-8")
+
+    @model_validator(mode="after")
+    def _check_tool_parser(self) -> GatewaySettings:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            known = ", ".join(sorted(PARSERS))
+            raise ValueError(
+                f"tool_call_parser {self.tool_call_parser!r} is unknown; known: {known}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (the calls' format)")
+        return self
 
     def ray_actor_options(self) -> dict[str, Any]:
         """The Ray resources of one gateway replica actor."""

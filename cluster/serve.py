@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import logging
+import select
 import signal
 import socket
+import threading
+from collections.abc import Iterator
 from types import FrameType
 
 from pdcluster.actors.ray_runtime import kill_quietly
+from pdcluster.cluster.api.errors import RETRY_AFTER_S
 from pdcluster.cluster.client import Cluster
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.control.launch import launch
@@ -51,7 +56,8 @@ def serve(config: ClusterConfig) -> None:
         replicas: list = []  # the other gateway replicas' actors
         try:
             stop_on_sigterm()
-            cluster = launch(config)
+            with answering_starting(sock):
+                cluster = launch(config)
             stop_on_sigterm()
             _log_instances(cluster)
             replicas = start_replicas(config, cluster.pool, host, port, settings.replicas - 1)
@@ -69,6 +75,52 @@ def serve(config: ClusterConfig) -> None:
             if cluster is not None:
                 cluster.shutdown()
                 logger.info("stopped")
+
+
+STARTING_BODY = json.dumps({
+    "status": "starting",
+    "error": {"message": "the server is starting; retry shortly", "type": "service_unavailable",
+              "param": None, "code": "starting"},
+}).encode()  # fmt: skip
+
+
+@contextlib.contextmanager
+def answering_starting(sock: socket.socket) -> Iterator[None]:
+    """While the cluster starts, every connection to the (already bound) port is answered at
+    once with 503 and Retry-After, /health included, instead of waiting in the backlog."""
+    stop = threading.Event()
+    sock.setblocking(False)  # as the server that takes over sets it
+    thread = threading.Thread(target=_answer_starting, args=(sock, stop), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _answer_starting(sock: socket.socket, stop: threading.Event) -> None:
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"retry-after: {RETRY_AFTER_S}\r\ncontent-length: {len(STARTING_BODY)}\r\n"
+        "connection: close\r\n\r\n"
+    ).encode()
+    while not stop.is_set():
+        if not select.select([sock], [], [], 0.1)[0]:
+            continue
+        try:
+            conn, _ = sock.accept()
+        except (BlockingIOError, InterruptedError):
+            continue  # another replica's process took it
+        with conn, contextlib.suppress(OSError):
+            conn.settimeout(2.0)
+            received = b""
+            while b"\r\n\r\n" not in received and len(received) < 65536:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                received += chunk
+            conn.sendall(head + STARTING_BODY)
 
 
 def _serve_until_interrupted(cluster: Cluster, sock: socket.socket) -> None:

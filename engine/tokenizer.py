@@ -69,33 +69,49 @@ def _compiled_template(source: str) -> jinja2.Template:
     return compile_chat_template(source)
 
 
+def _template_tree(source: str) -> nodes.Template | None:
+    """A template's syntax tree; None when it does not parse (rendering then fails with the
+    template's own error)."""
+    try:
+        return jinja2.Environment(extensions=[loopcontrols]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return None
+
+
+def _key(node: nodes.Node) -> object:
+    """The attribute or constant key a node reads (`m.content`, `m['content']`), if any."""
+    if isinstance(node, nodes.Filter):  # `message['content'] | selectattr(...)`
+        return _key(node.node) if node.node is not None else None
+    if isinstance(node, nodes.Getattr):
+        return node.attr
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+        return node.arg.value
+    return None
+
+
 def chat_template_takes_content_parts(source: str) -> bool:
     """Whether a chat template renders a message `content` given as a list of {"type": ...}
     parts: it loops over a `content` or reads a `type` (vLLM's detection). Templates that do
     neither take `content` as a string only (e.g. ChatML's `'...' + message['content']`)."""
-
-    def key(node: nodes.Node) -> object:
-        if isinstance(node, nodes.Filter):  # `message['content'] | selectattr(...)`
-            return key(node.node) if node.node is not None else None
-        if isinstance(node, nodes.Getattr):
-            return node.attr
-        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
-            return node.arg.value
-        return None
-
-    try:
-        tree = jinja2.Environment(extensions=[loopcontrols]).parse(source)
-    except jinja2.TemplateSyntaxError:
+    tree = _template_tree(source)
+    if tree is None:
         return True  # rendering it fails with the template's error
-    loops_over_content = any(key(loop.iter) == "content" for loop in tree.find_all(nodes.For))
-    reads_type = any(key(n) == "type" for n in tree.find_all((nodes.Getattr, nodes.Getitem)))
+    loops_over_content = any(_key(loop.iter) == "content" for loop in tree.find_all(nodes.For))
+    reads_type = any(_key(n) == "type" for n in tree.find_all((nodes.Getattr, nodes.Getitem)))
     return loops_over_content or reads_type
 
 
 def chat_template_takes_tools(source: str) -> bool:
     """Whether a chat template renders a `tools` list (function definitions) at all."""
-    tree = jinja2.Environment(extensions=[loopcontrols]).parse(source)
-    return any(n.name == "tools" for n in tree.find_all(nodes.Name))
+    tree = _template_tree(source)
+    return tree is None or any(n.name == "tools" for n in tree.find_all(nodes.Name))
+
+
+def chat_template_takes_tool_calls(source: str) -> bool:
+    """Whether a chat template renders an assistant message's `tool_calls` at all."""
+    tree = _template_tree(source)
+    readers = () if tree is None else tree.find_all((nodes.Getattr, nodes.Getitem))
+    return tree is None or any(_key(n) == "tool_calls" for n in readers)
 
 
 class Tokenizer:

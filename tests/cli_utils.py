@@ -42,18 +42,25 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = STOP_T
         time.sleep(0.1)
 
 
-def wait_until_serving(process: subprocess.Popen, port: int) -> None:
-    """Until GET /v1/models answers on 127.0.0.1:port; fails early if the process exits."""
+def wait_until_serving(process: subprocess.Popen, port: int) -> list[dict]:
+    """Until GET /health answers 200 on 127.0.0.1:port (fails early if the process exits);
+    the bodies of the answers before it (503s while starting)."""
+    before: list[dict] = []
 
     def serving() -> bool:
         if process.poll() is not None:
             raise AssertionError(f"serve exited {process.returncode}: {process.stderr.read()}")
         try:
-            return httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200
+            response = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
         except httpx.HTTPError:
-            return False
+            return False  # not listening yet
+        if response.status_code != 200:
+            assert response.status_code == 503, response.text
+            before.append(response.json())
+        return response.status_code == 200
 
     wait_for(serving, "serve did not start", STARTUP_TIMEOUT_S)
+    return before
 
 
 def stop_serve(process: subprocess.Popen, sig: signal.Signals) -> tuple[int, str]:

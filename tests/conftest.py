@@ -52,12 +52,12 @@ def model_dir(preset_dir):
 
 @pytest.fixture(scope="session")
 def tools_model_dir(preset_dir, tmp_path_factory):
-    """tiny-llama with a chat template that renders tools (Hermes-style calls)."""
-    from tests.test_tools import TOOLS_TEMPLATE
+    """tiny-llama with a chat template that renders tools (Hermes-style calls, as tiny-qwen2's)."""
+    from pdcluster.engine.preset_tokenizer import chat_template
 
     folder = tmp_path_factory.mktemp("tiny-llama-tools") / "model"
     shutil.copytree(preset_dir("tiny-llama"), folder)
-    (folder / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    (folder / "chat_template.jinja").write_text(chat_template(False, True, tools=True))
     return str(folder)
 
 

@@ -11,7 +11,6 @@ import re
 import httpx
 import pytest
 
-from pdcluster.cluster.api.tools import ToolCallParser
 from tests.cluster_utils import assert_clean, live_object_ids, start
 
 openai = pytest.importorskip("openai")
@@ -267,16 +266,6 @@ def test_values_we_cannot_honour_are_a_400_naming_the_field(base_url, extra, nee
     assert needle in response.json()["error"]["message"]
 
 
-def test_parallel_tool_calls_false_returns_one_call():
-    text = "".join(
-        f"<tool_call>{json.dumps({'name': n, 'arguments': {}})}</tool_call>" for n in ("a", "b")
-    )
-    fields, reason = ToolCallParser(forced=False).message(text, "stop")
-    assert [c["function"]["name"] for c in fields["tool_calls"]] == ["a", "b"]
-    fields, reason = ToolCallParser(forced=False, max_calls=1).message(text, "stop")
-    assert [c["function"]["name"] for c in fields["tool_calls"]] == ["a"] and reason == "tool_calls"
-
-
 def test_langchain_chat_openai_with_vllm_fields(base_url, client):
     """LangChain's ChatOpenAI, as RAG and agent code calls it, passes vLLM's fields through
     `extra_body`: its answer is the openai client's, whole and streamed."""
@@ -334,3 +323,18 @@ def test_guidellm_requests_stream_every_usage_and_the_asked_length(base_url, pat
     choices = [chunk["choices"][0] for chunk in chunks if chunk["choices"]]
     text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices)
     assert text
+
+
+def test_auto_tool_choice_without_the_servers_flags_is_vllms_400(base_url, caplog):
+    """As vLLM: tools with tool_choice "auto" (their default) need --enable-auto-tool-choice
+    and --tool-call-parser; the refusal is logged once with the request id and the field."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    with caplog.at_level(logging.INFO, logger="pdcluster.cluster.api.errors"):
+        response = httpx.post(f"{base_url}/v1/chat/completions", json=body,
+                              headers={"X-Request-Id": "auto-1"}, timeout=60)  # fmt: skip
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "tool_choice" and "--enable-auto-tool-choice" in error["message"]
+    [line] = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert "request auto-1, field tool_choice" in line and "--tool-call-parser" in line

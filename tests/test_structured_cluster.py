@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -26,7 +27,8 @@ TOPOLOGIES = {"colocated": {"mixed": 1}, "1p1d": {"prefill": 1, "decode": 1}}
 
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
 def cluster(request, ray_session, tools_model_dir):
-    gateway = {"served_model_name": MODEL}
+    gateway = {"served_model_name": MODEL, "enable_auto_tool_choice": True,
+               "tool_call_parser": "hermes"}  # fmt: skip
     with start(tools_model_dir, gateway=gateway, **TOPOLOGIES[request.param]) as c:
         yield c
 
@@ -126,29 +128,54 @@ def check_call(call, tools=(WEATHER,)) -> None:
 
 @pytest.mark.parametrize("sampling", SAMPLINGS[:2])
 def test_a_forced_tool_call_is_returned_as_tool_calls(client, clean, sampling):
+    """A named function: its arguments, finish reason as sampled (as OpenAI's); required:
+    one or more calls among the tools, finish reason tool_calls (as vLLM's)."""
     named = {"type": "function", "function": {"name": "get_weather"}}
-    for tool_choice, tools in ((named, [WEATHER, TIME]), ("required", [WEATHER, TIME])):
+    # Two tools fill most of the tiny model's 512-token context: the named call is short.
+    for tool_choice, tools, max_tokens in (
+        (named, [WEATHER, TIME], 40),
+        ("required", [WEATHER], 120),
+    ):
         out = client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=64, tools=tools, tool_choice=tool_choice,
-            **sampling,
+            model=MODEL, messages=CHAT, max_tokens=max_tokens, tools=tools,
+            tool_choice=tool_choice, parallel_tool_calls=False, **sampling,
         )  # fmt: skip
         choice = out.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.content is None
+        assert choice.finish_reason == ("stop" if tool_choice is named else "tool_calls")
         [call] = choice.message.tool_calls
         check_call(call, tools)
         if tool_choice is named:
             assert call.function.name == "get_weather"
 
 
-def test_a_streamed_forced_call_arrives_as_tool_call_deltas(client, clean):
-    stream = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=120, tools=[WEATHER], tool_choice="required",
-        stream=True, temperature=0,
+def test_streamed_forced_calls_arrive_as_tool_call_deltas(client, clean):
+    """As vLLM streams them: the first delta names the call (index, id, name), the next ones
+    add to its arguments; the joined deltas are the whole call's."""
+    for tool_choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        common = {"model": MODEL, "messages": CHAT, "max_tokens": 120, "tools": [WEATHER],
+                  "tool_choice": tool_choice, "temperature": 0}  # fmt: skip
+        whole = client.chat.completions.create(**common).choices[0].message.tool_calls
+        chunks = [c for c in client.chat.completions.create(**common, stream=True) if c.choices]
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        assert deltas[0].index == 0 and deltas[0].id.startswith("call_")
+        assert deltas[0].function.name == "get_weather"
+        arguments = "".join(d.function.arguments or "" for d in deltas)
+        assert arguments == whole[0].function.arguments
+        assert chunks[-1].choices[0].finish_reason == (
+            "tool_calls" if tool_choice == "required" else "stop"
+        )
+        if tool_choice != "required":
+            assert len(deltas) > 2  # the arguments streamed as written, not in one piece
+
+
+def test_response_format_gives_way_to_a_forced_call(client, clean):
+    """vLLM's rule: the tool's schema constrains the output, not response_format."""
+    out = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=64, tools=[WEATHER], tool_choice="required",
+        response_format={"type": "json_object"}, temperature=0,
     )  # fmt: skip
-    chunks = [c for c in stream if c.choices]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    [call] = chunks[-1].choices[0].delta.tool_calls
-    assert call.index == 0
+    [call] = out.choices[0].message.tool_calls
     check_call(call)
 
 
@@ -159,11 +186,14 @@ def test_auto_renders_the_tools_and_answers_in_text_without_a_call(client, clean
     assert offered.usage.prompt_tokens > without.usage.prompt_tokens + 20  # tools rendered
     choice = offered.choices[0]  # a random model writes no <tool_call> block
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    streamed = client.chat.completions.create(**plain, tools=[WEATHER], stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == choice.message.content
     none = client.chat.completions.create(**plain, tools=[WEATHER], tool_choice="none")
     assert none.usage.prompt_tokens == without.usage.prompt_tokens
 
 
-def test_a_conversation_with_tool_results_is_rendered(client, clean):
+def test_a_conversation_with_tool_results_is_rendered(client, base_url, clean):
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}  # fmt: skip
     messages = [
@@ -175,6 +205,9 @@ def test_a_conversation_with_tool_results_is_rendered(client, clean):
         model=MODEL, messages=messages, tools=[WEATHER], max_tokens=4
     )
     assert out.choices[0].finish_reason in ("stop", "length")
+    body = {"model": MODEL, "messages": messages}
+    tokens = httpx.post(f"{base_url}/tokenize", json=body, timeout=30).json()["tokens"]
+    assert out.usage.prompt_tokens > len(tokens)  # the tools came on top of the conversation
 
 
 @pytest.mark.parametrize(
@@ -184,14 +217,6 @@ def test_a_conversation_with_tool_results_is_rendered(client, clean):
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "not in tools",
-        ),
-        (
-            {
-                "tools": [WEATHER],
-                "tool_choice": "required",
-                "response_format": {"type": "json_object"},
-            },
-            "cannot take a response_format",
         ),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "pattern"),
     ],
@@ -220,10 +245,50 @@ def test_smollm2_disaggregated_writes_schema_valid_json(ray_session):
             )  # fmt: skip
             assert out.choices[0].finish_reason == "stop"
             jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
-        # SmolLM2's template never renders tools: offering them is refused, naming the field.
-        body = {"model": model, "messages": CHAT, "tools": [WEATHER]}
-        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
-        assert response.status_code == 400
-        error = response.json()["error"]
-        assert error["param"] == "tools" and "does not support tools" in error["message"]
+        # SmolLM2's template renders no tools: a forced call still follows the tool's schema.
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for tool_choice in (named, "required"):
+            out = client.chat.completions.create(
+                model=model, messages=CHAT, max_tokens=120, tools=[WEATHER],
+                tool_choice=tool_choice, temperature=0,
+            )  # fmt: skip
+            [call] = out.choices[0].message.tool_calls
+            check_call(call)
         assert_clean(cluster, baseline)
+
+
+CLIENT_BODIES = Path(__file__).parent / "client_bodies" / "tool_clients.jsonl"
+RECORDED = [json.loads(line) for line in CLIENT_BODIES.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("recorded", RECORDED, ids=[r["client"] for r in RECORDED])
+def test_what_agent_clients_send_is_served(base_url, clean, recorded):
+    """The bodies the OpenAI Agents SDK 0.x, instructor 1.x and litellm 1.x sent on their tool
+    paths (recorded through a proxy in front of `pdcluster serve --enable-auto-tool-choice
+    --tool-call-parser hermes`): each is served, whole or streamed, as its client reads it."""
+    body = {**recorded["body"], "model": MODEL}
+    with httpx.stream("POST", f"{base_url}{recorded['path']}", json=body, timeout=120) as response:
+        text = response.read().decode()
+    assert response.status_code == 200, text
+    if body.get("stream"):
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert events, text
+        last = events[-1]
+        if recorded["path"] == "/v1/responses":
+            assert last["type"] in ("response.completed", "response.incomplete")
+        else:
+            assert "[DONE]" in text and any(
+                c["finish_reason"] for e in events for c in e["choices"]
+            )
+        return
+    answer = json.loads(text)
+    if recorded["path"] == "/v1/responses":
+        assert answer["object"] == "response" and answer["output"]
+        return
+    [choice] = answer["choices"]
+    choice_named = isinstance(body.get("tool_choice"), dict)
+    if choice_named:  # the named function's arguments, whatever the model
+        assert (
+            choice["message"]["tool_calls"][0]["function"]["name"]
+            == (body["tool_choice"]["function"]["name"])
+        )

@@ -25,7 +25,7 @@ from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
 from pdcluster.cluster.api.cluster_client import ClusterClient
 from pdcluster.cluster.api.completions import Completions
 from pdcluster.cluster.api.completions_protocol import CompletionRequest
-from pdcluster.cluster.api.errors import APIError
+from pdcluster.cluster.api.errors import APIError, log_refusal
 from pdcluster.cluster.api.guard import Guard
 from pdcluster.cluster.api.metrics import GatewayMetrics
 from pdcluster.cluster.api.responses import NOT_STORED, Responses
@@ -34,7 +34,6 @@ from pdcluster.cluster.api.serving import Serving
 from pdcluster.cluster.api.tokens import detokenize, tokenize
 from pdcluster.cluster.api.tokens_protocol import DetokenizeRequest, TokenizeRequest
 from pdcluster.cluster.config import GatewaySettings
-from pdcluster.routing.role import Role
 
 CLUSTER_VIEW_TIMEOUT_S = 1.0  # /v1/cluster and /metrics: an instance slower than this is
 # reported unreachable (one restarting would otherwise hold every call for seconds)
@@ -64,13 +63,16 @@ def create_app(
         }
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        log_refusal(request.scope, exc)
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Unknown paths and methods get OpenAI-shaped errors too."""
-        response = APIError(exc.status_code, str(exc.detail)).response()
+        error = APIError(exc.status_code, str(exc.detail))
+        log_refusal(request.scope, error)
+        response = error.response()
         response.headers.update(exc.headers or {})
         return response
 
@@ -127,11 +129,11 @@ def create_app(
             stats = await asyncio.wait_for(cluster.stats_async(), 5.0)
         except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
             return JSONResponse({"status": "unhealthy", "reason": str(exc)}, status_code=503)
-        serving_instances = [s for s in stats if s.role != Role.ENCODER and s.healthy]
-        if not serving_instances:
-            return JSONResponse(
-                {"status": "unhealthy", "reason": "no healthy instance"}, status_code=503
-            )
+        missing = cluster.serving_roles - {s.role for s in stats if s.healthy}
+        if missing:
+            roles = ", ".join(sorted(r.value for r in missing))
+            reason = f"no healthy instance of role {roles}"
+            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.post("/v1/admin/scale")

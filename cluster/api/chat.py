@@ -20,9 +20,9 @@ from pdcluster.cluster.api.prompt_logprobs import prompt_logprobs_json
 from pdcluster.cluster.api.results import Group, Result, usage
 from pdcluster.cluster.api.serving import Serving
 from pdcluster.cluster.api.sse import DONE, ChunkEncoder, EventStreamResponse, UsageIn
-from pdcluster.cluster.api.tools import ToolCallParser, forced_call_schema
+from pdcluster.cluster.api.tools import ToolCalling
 from pdcluster.engine.outputs import TopLogprobs
-from pdcluster.engine.sampling_params import StructuredOutputsParams
+from pdcluster.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class Chat:
@@ -33,16 +33,16 @@ class Chat:
         serving = self.serving
         body = await serving.parse(http, ChatCompletionRequest)
         rid = f"chatcmpl-{serving.request_id(http, body)}"
-        group, tool_parser = await self.prepare(body, rid)
+        group, calling = await self.prepare(body, rid)
         serving.log_received(rid, body, [group])
         as_ids = body.return_tokens_as_token_ids
         headers = {"X-Request-Id": rid}
         if body.stream:
             usage_in = UsageIn.of(body.stream_options)
-            chunks = self._chunks(rid, group, usage_in, body.logprobs, tool_parser, as_ids)
+            chunks = self._chunks(rid, group, usage_in, body.logprobs, calling, as_ids)
             return EventStreamResponse(chunks, headers)
         await run_to_end(serving, http, [group], body)
-        choices = [self._choice(r, body, tool_parser) for r in group.results]
+        choices = [self._choice(r, body, calling) for r in group.results]
         return JSONResponse(
             {
                 "id": rid,
@@ -59,16 +59,17 @@ class Chat:
 
     async def prepare(
         self, body: ChatCompletionRequest, rid: str, format_field: str | None = None
-    ) -> tuple[Group, ToolCallParser | None]:
-        """The body's sequences (named after `rid`), ready to run, and how to read tool calls
-        from their output (`format_field`: the field that names the output's format, for its
-        errors, when not the chat body's own)."""
+    ) -> tuple[Group, ToolCalling | None]:
+        """The body's sequences (named after `rid`), ready to run, and how their output
+        becomes tool calls (`format_field`: the field that names the output's format, for
+        its errors, when not the chat body's own)."""
         serving = self.serving
-        tool_parser = self._tool_parser(body)
         try:
-            rendered = serving.render_chat(
-                body, body.add_generation_prompt, tool_parser is not None
-            )
+            calling = ToolCalling.of(body, serving.tool_parser)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value", "tool_choice") from None
+        try:
+            rendered = serving.renderer.render(body, body.add_generation_prompt, calling)
             text = serving.fits(rendered)
             token_ids = serving.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
             images = [await serving.fetch_image(url) for url in body.image_urls()]
@@ -76,25 +77,22 @@ class Chat:
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             params = serving.sampling_params(body, body.max_new_tokens(), body.num_logprobs())
-            asked_by = format_field or body.grammar()[0]
-            forced = forced_call_schema(body)
-            if forced is not None:
-                structured = StructuredOutputsParams(json=json.dumps(forced))
-                params = dataclasses.replace(params, structured_outputs=structured)
-                asked_by = "tools"
+            params, asked_by = _with_tool_calling(
+                params, calling, format_field or body.grammar()[0]
+            )
             await serving.check_grammar(params, asked_by)
             group = serving.group(0, serving.make(prompt, params, body, rid), body.n, "n")
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
-        return group, tool_parser
+        return group, calling
 
     def _choice(
-        self, r: Result, body: ChatCompletionRequest, tool_parser: ToolCallParser | None
+        self, r: Result, body: ChatCompletionRequest, calling: ToolCalling | None
     ) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": r.text}
         finish_reason = r.finish_reason
-        if tool_parser is not None:
-            fields, finish_reason = tool_parser.message(r.text, finish_reason)
+        if calling is not None:
+            fields, finish_reason = calling.message(r.text, finish_reason)
             message.update(fields)
         return {
             "index": r.index,
@@ -110,32 +108,17 @@ class Chat:
             "prompt_logprobs": prompt_logprobs_json(self.serving, r.prompt_logprobs),
         }
 
-    def _tool_parser(self, body: ChatCompletionRequest) -> ToolCallParser | None:
-        """How to read calls from the output, when the request offers tools to the model."""
-        if not body.calls_tools():
-            return None
-        if not self.serving.template_takes_tools:
-            raise APIError(
-                400,
-                "tools: this model's chat template does not support tools (it never renders "
-                "them); send the request without tools, or serve a model whose template does",
-                "unsupported_value",
-                "tools",
-            )
-        max_calls = None if body.parallel_tool_calls else 1
-        return ToolCallParser(forced=forced_call_schema(body) is not None, max_calls=max_calls)
-
     async def _chunks(
         self,
         rid: str,
         group: Group,
         usage_in: UsageIn,
         logprobs: bool,
-        tool_parser: ToolCallParser | None,
+        calling: ToolCalling | None,
         as_ids: bool,
     ) -> AsyncGenerator[bytes, None]:
-        """With a `tool_parser`, the whole output goes out in the last chunk: as content, or
-        as tool calls."""
+        """With `calling`, each choice's text goes through its ToolCallStream: content until
+        calls begin, then tool-call deltas."""
         sse = ChunkEncoder(rid, "chat.completion.chunk", int(time.time()), self.serving.model_name)
         role = {"role": "assistant", "content": ""}
         for result in group.results:
@@ -143,14 +126,18 @@ class Chat:
             # As vLLM: with continuous usage, every chunk carries it, the role's included.
             yield sse.event([choice], usage(group.results) if usage_in.every_chunk else None)
         num_sent = [0] * len(group.results)  # tokens whose logprobs went out (held-back text waits)
+        streams = [calling.stream() if calling else None for _ in group.results]
         async with contextlib.aclosing(self.serving.runner.merged([group])) as outputs:
             async for result, out in outputs:
-                if not out.finished and (not out.new_text or tool_parser is not None):
-                    continue  # text held back (an incomplete character, a possible stop string)
-                delta: dict[str, Any] = {"content": out.new_text} if out.new_text else {}
+                stream = streams[result.index]
                 finish_reason = out.finish_reason
-                if tool_parser is not None:
-                    delta, finish_reason = tool_parser.message(result.text, finish_reason, True)
+                if stream is not None:
+                    delta = stream.delta(result.text, out.finished)
+                    finish_reason = stream.finish_reason(finish_reason) if out.finished else None
+                else:
+                    delta = {"content": out.new_text} if out.new_text else {}
+                if not out.finished and not delta:
+                    continue  # text held back (an incomplete character, a possible stop string)
                 sent = num_sent[result.index]
                 ids, lps = result.token_ids[sent:], result.logprobs[sent:]
                 tops = result.top_logprobs[sent:]
@@ -191,3 +178,21 @@ class Chat:
 
 def _entry(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def _with_tool_calling(
+    params: SamplingParams, calling: ToolCalling | None, asked_by: str | None
+) -> tuple[SamplingParams, str | None]:
+    """The params with what tool calling needs (a forced call's schema, which wins over any
+    response_format as in vLLM; the special tokens a parser's markers are), and the field
+    that asked for the output's grammar."""
+    if calling is None:
+        return params, asked_by
+    schema = calling.schema()
+    if schema is not None:
+        structured = StructuredOutputsParams(json=json.dumps(schema))
+        params = dataclasses.replace(params, structured_outputs=structured)
+        asked_by = "tools"
+    if calling.parser is not None and calling.parser.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params, asked_by

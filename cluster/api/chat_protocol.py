@@ -30,8 +30,9 @@ class ChatCompletionRequest(SamplingFields):
     )
     tools: list[Tool] | None = Field(None, max_length=128, description="functions it may call")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="default auto with tools; required or a named one forces a call"
-    )
+        None, description="default auto with tools; required or a named one forces a call "
+        "(its schema wins over response_format, as in vLLM)",
+    )  # fmt: skip
     parallel_tool_calls: bool = Field(True, description="false: at most one call returned")
     add_special_tokens: bool = Field(
         False, description="add BOS and the like to the rendered prompt (templates add theirs)"
@@ -62,9 +63,6 @@ class ChatCompletionRequest(SamplingFields):
             raise invalid("tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise invalid(f"tool_choice names {choice.function.name!r}, which is not in tools")
-        asked = self.grammar()[0]
-        if choice not in (None, "none", "auto") and asked is not None:
-            raise invalid(f"a forced tool call (tool_choice) cannot take a {asked} too")
         return self
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.engine.request import Request as EngineRequest
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.routing.role import Role
 
 
 class ClusterClient(Protocol):
@@ -29,6 +30,7 @@ class ClusterClient(Protocol):
     ) -> EngineRequest: ...
 
     kv_tokens_per_instance: int | None
+    serving_roles: frozenset[Role]  # the topology's roles, each needing a ready instance
     priority_scheduling: bool  # requests may carry a non-zero priority
     num_moves: int  # streams moved off a lost instance so far (router.migration_limit)
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.types import Scope
+
+logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5  # told to clients whose request lost its instance
 
@@ -28,3 +34,16 @@ class APIError(Exception):
             "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         }
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def log_refusal(scope: Scope, exc: APIError) -> None:
+    """One log line per refused request (4xx), so that an operator sees why: the request's
+    id (the gateway's, else the client's X-Request-Id), the field and the reason."""
+    if not 400 <= exc.status < 500:
+        return
+    rid = scope.get("state", {}).get("request_id") or Headers(scope=scope).get("x-request-id")
+    logger.info(
+        "%s %s refused with %d (request %s, field %s): %s",
+        scope.get("method"), scope.get("path"), exc.status, rid or "-", exc.param or "-",
+        exc.message,
+    )  # fmt: skip

@@ -12,7 +12,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdcluster.cluster.api.body import too_large
-from pdcluster.cluster.api.errors import APIError
+from pdcluster.cluster.api.errors import APIError, log_refusal
 from pdcluster.cluster.config import GatewaySettings
 
 # Behind the API key, with every path under /v1/ (/health, /metrics and the docs stay open).
@@ -52,6 +52,7 @@ class Guard:
             self._authorize(scope)
             self._check_size(scope)
         except APIError as exc:
+            log_refusal(scope, exc)
             await exc.response()(scope, receive, counted)
             return
         await self.app(scope, receive, counted)

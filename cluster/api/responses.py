@@ -25,7 +25,7 @@ from pdcluster.cluster.api.errors import APIError
 from pdcluster.cluster.api.responses_protocol import ResponsesRequest
 from pdcluster.cluster.api.results import Group, Result, usage
 from pdcluster.cluster.api.sse import EventStreamResponse, named_event
-from pdcluster.cluster.api.tools import ToolCallParser, parse_tool_calls
+from pdcluster.cluster.api.tools import ToolCalling, new_call_id
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +49,16 @@ class Responses:
         except ValidationError as exc:  # a tool_choice the tools do not allow
             raise APIError(400, exc.errors()[0]["msg"], "invalid_value", "tool_choice") from None
         rid = f"resp_{self.serving.request_id(http, chat_body)}"
-        group, tool_parser = await self.chat.prepare(chat_body, rid, "text.format")
+        group, calling = await self.chat.prepare(chat_body, rid, "text.format")
         draft = Draft(rid, time.time(), body, group, self.serving.model_name)
         if body.stream:
-            return EventStreamResponse(self._events(draft, tool_parser))
+            return EventStreamResponse(self._events(draft, calling))
         await self.serving.runner.run_to_end(http, [group])
         result = group.results[0]
-        return JSONResponse(draft.finished(result, output_items(result, tool_parser)))
+        return JSONResponse(draft.finished(result, output_items(result, calling)))
 
     async def _events(
-        self, draft: Draft, tool_parser: ToolCallParser | None
+        self, draft: Draft, calling: ToolCalling | None
     ) -> AsyncGenerator[bytes, None]:
         """Without tools the text streams as it comes; with tools the output is read for
         calls once whole, and each of its items then goes out in one piece."""
@@ -66,21 +66,21 @@ class Responses:
         yield events("response.created", response=draft.response("in_progress"))
         yield events("response.in_progress", response=draft.response("in_progress"))
         message_id = _item_id("msg")
-        if tool_parser is None:
+        if calling is None:
             for event in events.open_message(message_id, 0):
                 yield event
         result = draft.group.results[0]
         async with contextlib.aclosing(self.serving.runner.merged([draft.group])) as outputs:
             async for _, out in outputs:
-                if tool_parser is None and out.new_text:
+                if calling is None and out.new_text:
                     yield events.text_delta(message_id, 0, out.new_text)
         if result.finish_reason == "error":
             error = {"code": "server_error", "message": result.error or "the request failed"}
             yield events("response.failed", response=draft.response("failed", error=error))
             return
-        items = output_items(result, tool_parser, message_id)
+        items = output_items(result, calling, message_id)
         for index, item in enumerate(items):
-            for event in events.item(item, index, opened=tool_parser is None):
+            for event in events.item(item, index, opened=calling is None):
                 yield event
         final = draft.finished(result, items)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
@@ -138,24 +138,23 @@ class Draft:
 
 
 def output_items(
-    result: Result, tool_parser: ToolCallParser | None, message_id: str | None = None
+    result: Result, calling: ToolCalling | None, message_id: str | None = None
 ) -> list[dict[str, Any]]:
     """The output: a message with the text, and with tools, one `function_call` item per
     call read from it (the message only when text is left around the calls)."""
     status = "incomplete" if result.finish_reason == "length" else "completed"
-    if tool_parser is None:
+    if calling is None:
         return [_message(message_id or _item_id("msg"), result.text, status)]
-    content, calls = parse_tool_calls(result.text, tool_parser.forced)
+    content, calls = calling.parse(result.text)
     items = (
         []
         if calls and not content
         else [_message(message_id or _item_id("msg"), content or "", status)]
     )
     for call in calls:
-        function = call["function"]
         items.append({
-            "type": "function_call", "id": _item_id("fc"), "call_id": call["id"],
-            "name": function["name"], "arguments": function["arguments"], "status": "completed",
+            "type": "function_call", "id": _item_id("fc"), "call_id": new_call_id(),
+            "name": call.name, "arguments": call.arguments, "status": "completed",
         })  # fmt: skip
     return items
 

@@ -179,7 +179,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = Field(
         None, description="default auto with tools; required or a named one forces a call"
     )
-    parallel_tool_calls: bool | None = Field(None, description="accepted: calls are parsed all")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call")
     text: TextConfig | None = Field(None, description="format: text, json_object, json_schema")
     truncation: Literal["disabled", "auto"] | None = Field(
         None, description='only "disabled": input beyond the context is a 400'
@@ -206,14 +206,6 @@ class ResponsesRequest(BaseModel):
         if isinstance(value, list) and len(value) > MAX_INPUT_ITEMS:
             raise invalid(f"input takes at most {MAX_INPUT_ITEMS} items, got {len(value)}")
         return value
-
-    @field_validator("text")
-    @classmethod
-    def _check_text(cls, text: TextConfig | None, info: ValidationInfo) -> TextConfig | None:
-        forced = info.data.get("tool_choice") not in (None, "none", "auto")
-        if forced and text is not None and not isinstance(text.format, TextFormat):
-            raise invalid("text.format: a forced tool call (tool_choice) cannot take one too")
-        return text
 
     @field_validator("previous_response_id", "conversation", "prompt")
     @classmethod
@@ -265,6 +257,7 @@ class ResponsesRequest(BaseModel):
             top_p=self.top_p,
             tools=[_chat_tool(t) for t in self.tools] if self.tools is not None else None,
             tool_choice=_chat_tool_choice(self.tool_choice),
+            parallel_tool_calls=self.parallel_tool_calls is not False,
             response_format=self._response_format(),
         )
 

@@ -17,24 +17,21 @@ from fastapi import Request
 
 from pdcluster.cluster.api.body import BodyT, parse_body
 from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
+from pdcluster.cluster.api.chat_render import ChatRenderer
 from pdcluster.cluster.api.cluster_client import ClusterClient
 from pdcluster.cluster.api.completions_protocol import CompletionRequest
 from pdcluster.cluster.api.errors import APIError
 from pdcluster.cluster.api.metrics import GatewayMetrics
 from pdcluster.cluster.api.results import Group, Result
 from pdcluster.cluster.api.runner import GroupRunner
-from pdcluster.cluster.api.tokens_protocol import TokenizeRequest
+from pdcluster.cluster.api.tool_parsers import ToolParser, tool_parser
 from pdcluster.cluster.config import GatewaySettings
 from pdcluster.engine.multimodal import decode_data_url, load_image
 from pdcluster.engine.outputs import TopLogprobs
 from pdcluster.engine.request import Request as EngineRequest
 from pdcluster.engine.sampling_params import SamplingParams
 from pdcluster.engine.structured_output import GrammarCompiler
-from pdcluster.engine.tokenizer import (
-    Tokenizer,
-    chat_template_takes_content_parts,
-    chat_template_takes_tools,
-)
+from pdcluster.engine.tokenizer import Tokenizer
 from pdcluster.routing.fanout import fan_out
 from pdcluster.routing.handoff import max_new_tokens
 
@@ -79,7 +76,9 @@ class Serving:
     def request_id(self, http: Request, body: CompletionRequest | ChatCompletionRequest) -> str:
         """The request's name in its response id and log lines: the X-Request-Id header,
         else the body's request_id, else a fresh one (vLLM's order)."""
-        return http.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
+        rid = http.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
+        http.state.request_id = rid  # named in the log line of a refusal
+        return rid
 
     def log_received(
         self, rid: str, body: CompletionRequest | ChatCompletionRequest, groups: list[Group]
@@ -221,45 +220,19 @@ class Serving:
         data = await asyncio.to_thread(_download, url, self.settings.max_body_bytes)
         return await asyncio.to_thread(load_image, data)
 
-    # ---- chat templates --------------------------------------------------------------
+    # ---- chat templates and tools ----------------------------------------------------
     @cached_property
-    def _template_takes_content_parts(self) -> bool:
-        template = self.tokenizer.chat_template
-        return template is None or chat_template_takes_content_parts(template)
+    def renderer(self) -> ChatRenderer:
+        settings = self.settings
+        return ChatRenderer(
+            self.tokenizer, settings.chat_template, settings.chat_template_content_format
+        )
 
     @cached_property
-    def template_takes_tools(self) -> bool:
-        template = self.tokenizer.chat_template
-        return template is not None and chat_template_takes_tools(template)
-
-    def render_chat(
-        self,
-        body: ChatCompletionRequest | TokenizeRequest,
-        add_generation_prompt: bool = True,
-        tools: bool = False,
-    ) -> str:
-        """The chat prompt (with `tools`: the request's tools rendered for the model); a
-        template that fails on these messages is the client's error."""
-        template = None
-        kwargs: dict[str, Any] = {}
-        if isinstance(body, ChatCompletionRequest):
-            template = body.chat_template
-            kwargs = body.template_kwargs()
-            if tools:
-                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools or []]
-        takes_parts = self._template_takes_content_parts
-        if template is not None:
-            takes_parts = chat_template_takes_content_parts(template)
-        messages = body.template_messages(takes_parts)
-        try:
-            prompt = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt, chat_template=template, **kwargs
-            )
-        except TypeError as exc:  # e.g. the template adds a string to a non-string value
-            raise ValueError(f"chat template failed: {exc}") from None
-        if isinstance(body, ChatCompletionRequest) and body.continue_final_message:
-            return _continued(prompt, messages[-1])
-        return prompt
+    def tool_parser(self) -> ToolParser | None:
+        """The parser of "auto" tool calls; None unless auto tool choice is enabled."""
+        name = self.settings.tool_call_parser
+        return tool_parser(name) if self.settings.enable_auto_tool_choice and name else None
 
     # ---- token texts -----------------------------------------------------------------
     def token_text(self, token_id: int, as_id: bool = False) -> str:
@@ -270,22 +243,6 @@ class Serving:
 
     def alternatives(self, top: TopLogprobs, as_ids: bool = False) -> list[tuple[str, float]]:
         return [(self.token_text(t, as_ids), lp) for t, lp in zip(top.token_ids, top.logprobs)]
-
-
-def _continued(prompt: str, final: dict[str, Any]) -> str:
-    """The prompt cut right after the final message's text, so that the reply continues it
-    (continue_final_message) instead of following the end of its turn."""
-    content = final["content"]
-    if isinstance(content, list):
-        texts = [p["text"] for p in content if p.get("type") == "text"]
-        content = texts[-1] if texts else ""
-    end = prompt.rfind(content) if content else -1
-    if end < 0:
-        raise ValueError(
-            "continue_final_message: the chat template does not render the final message's "
-            "text as sent, so it cannot be continued"
-        )
-    return prompt[: end + len(content)]
 
 
 def _download(url: str, max_bytes: int) -> bytes:

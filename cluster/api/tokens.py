@@ -13,7 +13,7 @@ def tokenize(serving: Serving, body: TokenizeRequest) -> dict[str, Any]:
     """The prompt's token ids as a completion (or, for messages, a chat) would send them."""
     try:
         if body.messages is not None:
-            text = serving.fits(serving.render_chat(body, body.add_generation_prompt))
+            text = serving.fits(serving.renderer.render(body, body.add_generation_prompt))
             add_special_tokens = bool(body.add_special_tokens)  # the template adds its own
         else:
             text = serving.fits(body.prompt or "")
