@@ -299,3 +299,15 @@ def test_responses_tool_fields_reach_the_chat_request():
     chat = request.chat_request()
     assert not chat.parallel_tool_calls and chat.tool_choice.function.name == "get_weather"
     assert ToolCalling.of(chat, None).named == "get_weather"  # the tool's schema wins
+
+
+@pytest.mark.parametrize(
+    ("name", "tag"), [("llama3_json", "<|python_tag|>"), ("pythonic", "<|python_start|>")]
+)
+def test_whole_reply_formats_hold_only_what_could_open_a_call(name, tag):
+    parser = tool_parser(name)
+    assert parser.held_back("  ") == 2 and parser.held_back(" " + tag[:5]) == 6
+    assert parser.calls_start(" " + tag) == 1 and parser.calls_start("Sure, ") is None
+    stream = ToolCalling.of(body(), parser).stream()
+    assert stream.delta(" ", False) == {}
+    assert stream.delta(" It is mild.", True) == {"content": " It is mild."}

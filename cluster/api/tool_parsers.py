@@ -86,6 +86,27 @@ class ToolParser:
         raise NotImplementedError
 
 
+class WholeReplyParser(ToolParser):
+    """Formats whose calls are the whole reply: it opens with `opener` (after white space),
+    or with the special token `tag` first."""
+
+    keeps_special_tokens = True
+    tag: str = ""
+    opener: str = ""
+
+    def calls_start(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        if stripped.startswith((self.tag, self.opener)):
+            return len(text) - len(stripped)
+        return None
+
+    def held_back(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped or self.tag.startswith(stripped):
+            return len(text)  # nothing but space yet, or the tag's first characters
+        return 0
+
+
 class HermesParser(ToolParser):
     """Hermes 2/3 and Qwen2.5: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
     one block per call."""
@@ -101,7 +122,7 @@ class HermesParser(ToolParser):
         return _all_or_none(_json_call(block) for block in self._BLOCK.findall(text))
 
 
-class Llama3JSONParser(ToolParser):
+class Llama3JSONParser(WholeReplyParser):
     """Llama 3.1-3.3 (and 4 in JSON mode): the reply is the call(s) itself,
     `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several separated
     by semicolons."""
@@ -110,23 +131,10 @@ class Llama3JSONParser(ToolParser):
         'To call a function, answer with only {"name": <function name>, "parameters": '
         "<arguments as a JSON object>}; separate several calls with semicolons."
     )
-    keeps_special_tokens = True
-    _TAG = "<|python_tag|>"
-
-    def calls_start(self, text: str) -> int | None:
-        stripped = text.lstrip()
-        if stripped.startswith((self._TAG, "{")):
-            return len(text) - len(stripped)
-        return None
-
-    def held_back(self, text: str) -> int:
-        stripped = text.lstrip()
-        if not stripped or self._TAG.startswith(stripped):
-            return len(text)  # nothing but space yet, or the tag's first characters
-        return 0
+    tag, opener = "<|python_tag|>", "{"
 
     def parse_calls(self, text: str, tools: Sequence[Tool]) -> list[ParsedCall]:
-        text = _END_TOKENS.sub("", text.strip().removeprefix(self._TAG))
+        text = _END_TOKENS.sub("", text.strip().removeprefix(self.tag))
         return _all_or_none(_json_call(obj) for obj in _json_values(text, separators=";"))
 
 
@@ -181,28 +189,18 @@ class Qwen3XMLParser(ToolParser):
         return _all_or_none(calls)
 
 
-class PythonicParser(ToolParser):
+class PythonicParser(WholeReplyParser):
     """Llama 3.2 / 4 pythonic: `[get_weather(city="Paris"), get_time()]`, keyword arguments
     of literal values, optionally between `<|python_start|>` and `<|python_end|>`."""
 
     format_hint = (
         'To call functions, answer with only a Python list of calls, e.g. [name(key="value")].'
     )
-    keeps_special_tokens = True
-    _START, _END = "<|python_start|>", "<|python_end|>"
-
-    def calls_start(self, text: str) -> int | None:
-        stripped = text.lstrip()
-        if stripped.startswith((self._START, "[")):
-            return len(text) - len(stripped)
-        return None
-
-    def held_back(self, text: str) -> int:
-        stripped = text.lstrip()
-        return len(text) if not stripped or self._START.startswith(stripped) else 0
+    tag, opener = "<|python_start|>", "["
+    _END = "<|python_end|>"
 
     def parse_calls(self, text: str, tools: Sequence[Tool]) -> list[ParsedCall]:
-        source = _END_TOKENS.sub("", text.strip()).removeprefix(self._START)
+        source = _END_TOKENS.sub("", text.strip()).removeprefix(self.tag)
         source = source.removesuffix(self._END).strip()
         try:
             tree = ast.parse(source, mode="eval").body
