@@ -135,7 +135,7 @@ class Llama3JSONParser(WholeReplyParser):
 
     def parse_calls(self, text: str, tools: Sequence[Tool]) -> list[ParsedCall]:
         text = _END_TOKENS.sub("", text.strip().removeprefix(self.tag))
-        return _all_or_none(_json_call(obj) for obj in _json_values(text, separators=";"))
+        return _all_or_none(_json_call(obj) for obj in json_values(text, separators=";"))
 
 
 class MistralParser(ToolParser):
@@ -156,7 +156,7 @@ class MistralParser(ToolParser):
             if sep:
                 calls.append(_first_json_call(name.strip(), arguments))
                 continue
-            values = list(_json_values(chunk.strip()))
+            values = list(json_values(chunk.strip()))
             if len(values) != 1 or not isinstance(values[0], list):
                 return []
             calls.extend(_json_call(item) for item in values[0])
@@ -250,11 +250,11 @@ def _json_call(value: Any) -> ParsedCall | None:
 
 
 def _first_json_call(name: str, text: str) -> ParsedCall | None:
-    values = list(_json_values(text.strip()))
+    values = list(json_values(text.strip()))
     return ParsedCall.of(name, values[0]) if len(values) == 1 else None
 
 
-def _json_values(text: str, separators: str = "") -> Iterator[Any]:
+def json_values(text: str, separators: str = "") -> Iterator[Any]:
     """The JSON values written one after another in `text` (space and `separators` between
     them); stops at the first thing that is not one, yielding None for it."""
     decoder = json.JSONDecoder()

@@ -23,7 +23,7 @@ from typing import Any
 
 from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
 from pdcluster.cluster.api.messages import NamedToolChoice, Tool
-from pdcluster.cluster.api.tool_parsers import Parsed, ParsedCall, ToolParser
+from pdcluster.cluster.api.tool_parsers import Parsed, ParsedCall, ToolParser, json_values
 
 AUTO_NEEDS_FLAGS = (
     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
@@ -93,8 +93,8 @@ class ToolCalling:
             calls = _required_calls(text)
             return (None, calls) if calls else (text, [])
         assert self.parser is not None
-        content, calls = self.parser.parse(text, self.tools)
-        return (content, calls[: self.max_calls]) if calls else (text, [])
+        content, calls = self.parser.parse(text, self.tools)  # all content when no call
+        return content, calls[: self.max_calls]
 
     def finish_reason(self, calls: Sequence[ParsedCall], sampled: str | None) -> str | None:
         """vLLM's: "tool_calls" when auto read calls or required stopped on its own; a named
@@ -220,8 +220,9 @@ def _required_calls(text: str) -> list[ParsedCall]:
     objects are complete."""
     try:
         items = json.loads(text)
-    except ValueError:
-        items = _complete_items(text)
+    except ValueError:  # cut off: the items before the first one not complete
+        start = text.find("[")
+        items = [] if start < 0 else list(json_values(text[start + 1 :], separators=","))
     if not isinstance(items, list):
         return []
     calls = [
@@ -229,19 +230,3 @@ def _required_calls(text: str) -> list[ParsedCall]:
         for i in items
     ]
     return [c for c in calls if c is not None]
-
-
-def _complete_items(text: str) -> list[Any]:
-    """The items of a JSON list whose text is cut off, up to the last complete one."""
-    start = text.find("[")
-    if start < 0:
-        return []
-    decoder, position, items = json.JSONDecoder(), start + 1, []
-    while True:
-        while position < len(text) and text[position] in " \n\t\r,":
-            position += 1
-        try:
-            item, position = decoder.raw_decode(text, position)
-        except ValueError:
-            return items
-        items.append(item)

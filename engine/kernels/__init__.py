@@ -73,10 +73,10 @@ def _build_and_load() -> None:
     variant = re.sub(
         r"\W", "_", f"py{sys.version_info[0]}{sys.version_info[1]}_{torch.__version__}"
     )
-    files = sorted(Path(__file__).parent.glob("*.[ch]*"))  # the .cpp and the headers
-    content = hashlib.sha1()
-    for file in files:
-        content.update(file.name.encode() + b"\0" + file.read_bytes())
+    files = {f.name: f.read_bytes() for f in sorted(Path(__file__).parent.glob("*.[ch]*"))}
+    content = hashlib.sha1()  # of the .cpp files and the headers
+    for file_name, data in files.items():
+        content.update(file_name.encode() + b"\0" + data)
     root = root / variant  # one build per Python and torch
     build_dir = root / f"{name}_{content.hexdigest()[:12]}"
     source_dir = build_dir / "src"
@@ -84,10 +84,10 @@ def _build_and_load() -> None:
     with open(root / f"{build_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when this process exits, however
         (build_dir / "lock").unlink(missing_ok=True)
-        for file in files:  # same content, so rewriting one (a build killed mid-copy) is safe
-            copy = source_dir / file.name
-            if not copy.exists() or copy.read_bytes() != file.read_bytes():
-                copy.write_bytes(file.read_bytes())
+        for file_name, data in files.items():  # same content: rewriting one is safe
+            copy = source_dir / file_name
+            if not copy.exists() or copy.read_bytes() != data:
+                copy.write_bytes(data)  # missing, or a build killed mid-copy
         load(
             name=name,
             sources=[str(source_dir / source) for source in SOURCES],
