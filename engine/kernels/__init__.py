@@ -1,6 +1,6 @@
 """CPU kernels the engine builds for itself at first use, each with a torch fallback.
 
-The C++ next to this file is compiled by torch's extension JIT (a C++ compiler and ninja,
+The C++ next to this file is compiled by torch's extension JIT (a C++ compiler and the `ninja` package,
 `torch.utils.cpp_extension.load`; ~1 minute on 2 cores) once per machine kind and source
 content, and cached under ~/.cache/torch_extensions ($TORCH_EXTENSIONS_DIR), so later processes
 load the built library in well under a second. The build is keyed by the sources' content and
@@ -26,6 +26,7 @@ path instead; that is logged once. Nothing here is needed for correctness. The o
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -33,6 +34,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -88,11 +90,29 @@ def _build_and_load() -> None:
             copy = source_dir / file_name
             if not copy.exists() or copy.read_bytes() != data:
                 copy.write_bytes(data)  # missing, or a build killed mid-copy
-        load(
-            name=name,
-            sources=[str(source_dir / source) for source in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,  # registers torch.ops.pdcluster.*
-        )
+        with _packaged_ninja_first():
+            load(
+                name=name,
+                sources=[str(source_dir / source) for source in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,  # registers torch.ops.pdcluster.*
+            )
+
+
+@contextlib.contextmanager
+def _packaged_ninja_first() -> Iterator[None]:
+    """Run torch's build with the `ninja` package's binary first on PATH, whatever PATH this
+    process has. Two ninja versions hash their build log differently and each would take the
+    other's build for stale and rebuild everything: a system ninja found by one process (a test
+    run, a Ray worker) and the package's by another (a `ray job`, a venv's shell) must not
+    take turns."""
+    import ninja
+
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{path}"
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
