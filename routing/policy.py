@@ -59,6 +59,7 @@ class InstanceLoad:
     instance_id: str
     role: Role
     healthy: bool = True
+    late: bool = False  # its last pull went unanswered long: new requests go elsewhere first
     own: Load = field(default_factory=Load)  # this replica's requests in flight there
     published: Load | None = None  # the instance's last report (every replica's requests)
     own_at_publish: Load = field(default_factory=Load)  # `own` when that report came
@@ -149,7 +150,13 @@ class RouterPolicy:
         load.cached_blocks.clear()  # a restarted instance starts with an empty cache
 
     def mark_alive(self, instance_id: str) -> None:
-        self.instances[instance_id].healthy = True
+        load = self.instances[instance_id]
+        load.healthy, load.late = True, False
+
+    def mark_late(self, instance_id: str) -> None:
+        """It is slow to answer (a loaded host, a long step), not dead: new requests go to
+        instances that answer in time while there are any, and to it when there are none."""
+        self.instances[instance_id].late = True
 
     def apply_report(
         self, instance_id: str, published: Load, num_blocks_total: int | None = None
@@ -188,7 +195,9 @@ class RouterPolicy:
             self.pool_blocks.popitem(last=False)
 
     def _live(self, role: Role) -> list[InstanceLoad]:
-        return [i for i in self.instances.values() if i.role == role and i.healthy]
+        """The healthy instances of `role`: those answering in time, else the late ones."""
+        live = [i for i in self.instances.values() if i.role == role and i.healthy]
+        return [i for i in live if not i.late] or live
 
     # ---- decisions -------------------------------------------------------------------
     def plan(

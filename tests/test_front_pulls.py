@@ -131,20 +131,21 @@ def test_an_instance_that_restarted_has_its_requests_moved(front):
     assert h.flights.num_moves == 1
 
 
-def test_a_late_pull_routes_around_its_instance_and_still_delivers(front, monkeypatch):
+def test_a_late_pull_marks_its_instance_late_not_dead_and_still_delivers(front, monkeypatch):
     h = front
     monkeypatch.setattr(pulls_module, "PULL_TIMEOUT_S", 0.05)
     iid = start_request(h)
     h.on_loop(h.pulls.start, iid)
     late = h.handles[iid].next_pull(0)
     deadline = time.monotonic() + 5
-    while h.policy.instances[iid].healthy and time.monotonic() < deadline:
+    while not h.policy.instances[iid].late and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not h.policy.instances[iid].healthy
+    assert h.policy.instances[iid].late and h.policy.instances[iid].healthy
+    assert h.flights.num_moves == 0  # its stream stays where it is
     late.answer(reply("e1", 1, [EngineCoreOutput("r", [1], finish_reason="length")]))
     assert h.wait_sent(1)[0][1][0].new_token_ids == [1]
     h.handles[iid].next_pull(1)
-    assert h.policy.instances[iid].healthy  # it answered, accepting
+    assert not h.policy.instances[iid].late  # it answered
 
 
 def test_a_stopped_loop_pulls_no_more(front):

@@ -256,6 +256,22 @@ def test_dead_instance_is_never_chosen():
     assert policy.plan(prompt(40, first=50_000)) == Plan(None, "P0", "D0")
 
 
+def test_a_late_instance_gets_requests_only_when_every_instance_of_its_role_is_late():
+    policy = make_policy()  # P0, P1, D0, D1, all idle
+    policy.on_prefill_start("P1", prompt(500, first=0))
+    policy.on_decode_start("D1", prompt(500, first=0), max_tokens=500)
+    policy.mark_late("P0")
+    policy.mark_late("D0")
+    assert policy.plan(prompt(32)) == Plan(None, "P1", "D1")  # loaded, but answering
+
+    policy.mark_late("P1")
+    policy.mark_late("D1")
+    assert policy.plan(prompt(32)) == Plan(None, "P0", "D0")  # all late: still served
+
+    policy.mark_alive("P1")  # a pull answered: in time again
+    assert policy.plan(prompt(32)).prefill_id == "P1"
+
+
 def test_mark_dead_forgets_cached_prefixes():
     policy = make_policy()
     shared = prompt(32)

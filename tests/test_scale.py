@@ -144,8 +144,8 @@ def run_streams(cluster: Cluster, num_streams: int) -> None:
 
 
 def test_a_late_pull_reply_still_delivers_its_outputs(ray_session, monkeypatch):
-    """A pull answered after PULL_TIMEOUT_S (a loaded host) marks its instance unhealthy and
-    is still read: the outputs the instance handed to it reach the stream."""
+    """A pull answered after PULL_TIMEOUT_S (a loaded host) marks its instance late and is
+    still read: the outputs the instance handed to it reach the stream."""
     (stream,) = _streams(1)
     stream = Stream(stream.prompt, 8)
     (expected,) = _expected([stream])

@@ -1,6 +1,11 @@
 """One pull loop per instance: each long-polls its instance for the outputs of all of this
 replica's requests there, one call per step, with the instance's load and prefix-cache
-events, and reports an instance that dies, restarts or stops answering."""
+events, and reports an instance that dies or restarts (Ray's word: the pull fails with
+RayActorError, or its reply names a new process), or answers late.
+
+Lateness is no death: on a starved host every pull is late, and taking late instances for
+dead would route every new request to none. A late instance gets new requests only when no
+instance of its role answers in time, and its streams go on."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from pdcluster.routing.policy import Load
 
 logger = logging.getLogger(__name__)
 
-PULL_TIMEOUT_S = PULL_WAIT_S + 5.0  # a pull unanswered this long: its instance is unhealthy
+PULL_TIMEOUT_S = PULL_WAIT_S + 5.0  # a pull unanswered this long: its instance is late
 RETRY_PULL_S = 0.5  # pause between pulls of an instance that failed
 
 
@@ -77,8 +82,9 @@ class Pulls:
             self._apply(instance_id, reply)
 
     async def _pull_reply(self, instance_id: str, ref: ray.ObjectRef) -> PullReply:
-        """A pull's reply. One unanswered for PULL_TIMEOUT_S routes new requests around its
-        instance, and is still waited for: the outputs it carries are its streams'."""
+        """A pull's reply. One unanswered for PULL_TIMEOUT_S marks its instance late (new
+        requests go elsewhere first), and is still waited for: the outputs it carries are its
+        streams'."""
         late = self._loop.call_later(PULL_TIMEOUT_S, self._unanswered, instance_id)
         try:
             return await self._replies.future(ref)
@@ -86,8 +92,11 @@ class Pulls:
             late.cancel()
 
     def _unanswered(self, instance_id: str) -> None:
-        logger.warning("instance %s does not answer; routing around it", instance_id)
-        self._policy.mark_dead(instance_id)
+        logger.warning(
+            "instance %s has not answered for %.0f s; new requests go elsewhere first",
+            instance_id, PULL_TIMEOUT_S,
+        )  # fmt: skip
+        self._policy.mark_late(instance_id)
 
     def _apply(self, instance_id: str, reply: PullReply) -> None:
         policy = self._policy
