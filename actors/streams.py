@@ -7,7 +7,8 @@ loop, until the consumer has outputs, or until the instance's load or prefix cac
 (`notify`, answered at most every `refresh_s` per consumer, so that every replica routes on
 fresh load without the busy instance answering each step to replicas with nothing there),
 or until its wait ends. An idle instance so answers each consumer about once per wait, and a
-busy one once per step with all of that consumer's outputs. Replies travel inline, so a
+busy one once per step with all of that consumer's outputs: a request's outputs of several
+steps since the consumer's last pull go as one (`coalesce`). Replies travel inline, so a
 consumer that hangs up or dies mid-stream leaves nothing in the object store. A consumer
 that has not pulled (nor been waiting in a pull) for `idle_timeout_s` is gone (its replica
 died): its requests are aborted.
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdcluster.actors.messages import StageTimes
-from pdcluster.engine.outputs import EngineCoreOutput
+from pdcluster.engine.outputs import EngineCoreOutput, coalesce
 
 PULL_WAIT_S = 5.0  # a pull with no output and no change to report returns after this
 REFRESH_S = 0.1  # a consumer hears of load changes at most this often (10 Hz) without outputs
@@ -140,7 +141,7 @@ class Outboxes:
             box.last_pull = box.last_reply = time.monotonic()
         box.changed = False
         outputs, box.outputs = box.outputs, []
-        return outputs
+        return coalesce(outputs)  # a request's steps since the last pull: one output
 
     def _wait_left(self, box: _Outbox, left_s: float) -> float:
         """How long a pull with no output still waits: a change is answered once

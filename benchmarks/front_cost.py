@@ -3,8 +3,9 @@
 Starts `pdcluster serve` (embedded Ray) as a subprocess, streams a closed-loop load through
 its gateway, and reads the CPU time of every process of the serve tree from /proc before
 and after. Processes are grouped by what they run: `instance` (the E/P/D actors), `front`
-(the serving process and every other actor: gateway replicas, a router, the pool controller),
-`ray` (Ray's own daemons and idle workers). Also the TTFT and the first-to-second token gap
+(the gateway replicas: the serving process and its `GatewayReplica` actors), `control` (every
+other actor: the pool controller, the KV pool's owner), `ray` (Ray's own daemons and idle
+workers). Also the TTFT and the first-to-second token gap
 at concurrency 1 and 16, the idle cluster's CPU (% of one core per group, over `--idle-s`
 with no request), the instances' pulls per second when idle and under load (from their
 `num_pulls` stat, where the checkout has it), and each instance process's memory (PSS).
@@ -80,6 +81,7 @@ class Side:
     loadavg: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # by phase
     checks: dict[str, Any] = field(default_factory=dict)  # of a --trace load: scale_checks
     load_s: float = 0.0  # wall time of the load
+    load_latency: dict[str, float] = field(default_factory=dict)  # of the load's streams
     num_lost: int = 0  # streams of the load that failed or went silent (`Load.errors`)
 
     @property
@@ -135,12 +137,12 @@ def _group(pid: int, root: int) -> str:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return "gone"
-    if pid == root:
-        return "front"  # the serving process: gateway replica 0
+    if pid == root or "GatewayReplica" in cmdline:
+        return "front"  # the gateway replicas: the serving process is replica 0
     if "InstanceActor" in cmdline:
         return "instance"
     if cmdline.startswith("ray::"):
-        return "ray" if any(d in cmdline.lower() for d in RAY_DAEMONS) else "front"
+        return "ray" if any(d in cmdline.lower() for d in RAY_DAEMONS) else "control"
     return "ray"
 
 
@@ -223,9 +225,13 @@ async def _stream_one(
         response.raise_for_status()
         load.open_streams += 1
         load.peak_streams = max(load.peak_streams, load.open_streams)
-        try:
+        try:  # only the chunks that can end the stream are decoded: the client stays cheap
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if '"usage":{' not in line and '"finish_reason":"error"' not in line:
+                    if '"text":""' not in line:
+                        arrivals.append(time.perf_counter() - start)
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
@@ -283,6 +289,19 @@ def _latency(arrivals: list[list[float]], concurrency: int) -> dict[str, float]:
         f"ttft_p50_ms_c{concurrency}": statistics.median(ttft) * 1000,
         f"gap12_p50_ms_c{concurrency}": statistics.median(gap) * 1000,
     }
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else 0.0
+
+
+def load_latency(arrivals: list[list[float]]) -> dict[str, float]:
+    """TTFT and the gap between a stream's events (ms), p50 and p99 over the load."""
+    ttft = [a[0] for a in arrivals if a]
+    gaps = [b - a for events in arrivals for a, b in zip(events, events[1:])]
+    return {"ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99),
+            "gap_p50": _pct(gaps, 0.5), "gap_p99": _pct(gaps, 0.99)}  # fmt: skip
 
 
 def num_pulls(url: str) -> tuple[int, int | None]:
@@ -378,11 +397,13 @@ def scale_checks(
 
 
 # ---- one side --------------------------------------------------------------------------------
-def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
+def measure(
+    checkout: Path, label: str, args: argparse.Namespace, serve_args: tuple[str, ...] = ()
+) -> Side:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(checkout), "RAY_AUTH_MODE": "disabled"}
     cmd = [sys.executable, "-m", "pdcluster.cluster.cli", "serve", "--config", args.config,
-           "--port", str(port)]  # fmt: skip
+           "--port", str(port), *serve_args]  # fmt: skip
     log = open(f"/tmp/front_cost-{label}.log", "wb")  # noqa: SIM115 - the server's, while it runs
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -427,6 +448,7 @@ def measure(checkout: Path, label: str, args: argparse.Namespace) -> Side:
         side.front_pss_mb = group_pss_mb(proc.pid, "front")
         side.num_instances = num_instances
         side.load_s = load.wall_s
+        side.load_latency = load_latency(load.arrivals)
         side.num_lost = len(load.errors)
         side.ready_s = ready_s
         side.loadavg = loadavg
@@ -472,7 +494,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> Target:
 
 
 def report(sides: list[Side]) -> str:
-    groups = ("front", "instance", "ray")
+    groups = ("front", "control", "instance", "ray")
     lines = ["| side | tokens | " + " | ".join(f"{g} ms/1k tok" for g in groups)
              + " | all ms/1k tok | " + " | ".join(sides[0].latency) + " |"]  # fmt: skip
     lines.append("|" + "---|" * (3 + len(groups) + len(sides[0].latency)))
@@ -495,6 +517,7 @@ def report(sides: list[Side]) -> str:
                      f"{s.tokens_per_s:.0f} | {per_token} | "
                      f"{'n/a' if per_pull is None else f'{per_pull:.0f}'} | "
                      f"{s.per_request('front'):.1f} | {pss:.0f} | {s.num_lost} |")  # fmt: skip
+    lines += ["", scaling_report(sides)]
     if any(s.checks for s in sides):
         lines += ["", scale_report(sides)]
     if len(sides) == 2:
@@ -504,6 +527,22 @@ def report(sides: list[Side]) -> str:
         total_new = sum(new.per_1k(g) for g in new.cpu_ms if g != "gone")
         lines.append(f"\nfront {new.label} ÷ {old.label}: {ratio:.2f}; all processes: "
                      f"{total_new / max(total_old, 1e-9):.2f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def scaling_report(sides: list[Side]) -> str:
+    """The load's streamed tokens/s (and ÷ the first side's), the front's CPU per 1k tokens
+    and its cores busy, and the load's latencies."""
+    base = sides[0].tokens_per_s or 1e-9
+    lines = ["| side | tokens/s | ÷ first | front ms/1k tok | front cores | TTFT p50, p99 ms"
+             " | event gap p50, p99 ms |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s in sides:
+        lat = s.load_latency
+        cores = s.cpu_ms.get("front", 0.0) / 1000 / max(s.load_s, 1e-9)
+        lines.append(f"| {s.label} | {s.tokens_per_s:.0f} | {s.tokens_per_s / base:.2f} | "
+                     f"{s.per_1k('front'):.0f} | {cores:.2f} | "
+                     f"{lat.get('ttft_p50', 0):.0f}, {lat.get('ttft_p99', 0):.0f} | "
+                     f"{lat.get('gap_p50', 0):.1f}, {lat.get('gap_p99', 0):.1f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -542,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure this checkout too, first (e.g. the commit before)")  # fmt: skip
     parser.add_argument("--label", action="append", default=None,
                         help="side names, in order (default: other, this)")  # fmt: skip
+    parser.add_argument("--replicas", type=lambda v: [int(n) for n in v.split(",")],
+                        default=None, metavar="N,N,...",
+                        help="one side per gateway replica count (--api-server-count), e.g. "
+                        "1,2,4: does the front scale with its replicas?")  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests-each", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -569,9 +612,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="how long every instance may take to hold nothing after the load")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also write every side here")
     args = parser.parse_args(argv)
-    checkouts = ([args.checkout] if args.checkout else []) + [REPO_ROOT]
-    labels = args.label or ["other", "this"][-len(checkouts) :]
-    sides = [measure(c.resolve(), label, args) for c, label in zip(checkouts, labels)]
+    if args.replicas:  # this checkout, once per replica count
+        sides = [measure(REPO_ROOT, f"replicas-{n}", args, ("--api-server-count", str(n)))
+                 for n in args.replicas]  # fmt: skip
+    else:
+        checkouts = ([args.checkout] if args.checkout else []) + [REPO_ROOT]
+        labels = args.label or ["other", "this"][-len(checkouts) :]
+        sides = [measure(c.resolve(), label, args) for c, label in zip(checkouts, labels)]
     print(report(sides))
     if args.json:
         sides_data = [dataclasses.asdict(s) for s in sides]

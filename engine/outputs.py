@@ -129,3 +129,46 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def coalesce(outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    """One output per request for outputs that arrived together (a consumer behind its
+    producer, as vLLM's output collector merges them): each request's outputs in order, as
+    one that carries all their tokens, texts and logprobs, and the last one's end. The
+    requests keep the order of their first outputs. Outputs are not changed."""
+    if len(outputs) < 2:
+        return outputs
+    runs: dict[str, list[EngineCoreOutput]] = {}
+    for out in outputs:
+        runs.setdefault(out.request_id, []).append(out)
+    if len(runs) == len(outputs):
+        return outputs
+    return [run[0] if len(run) == 1 else _joined(run) for run in runs.values()]
+
+
+def _joined(run: list[EngineCoreOutput]) -> EngineCoreOutput:
+    first, last = run[0], run[-1]
+    token_ids = [t for out in run for t in out.new_token_ids]
+    logprobs = None
+    if first.new_logprobs is not None:
+        logprobs = [lp for out in run for lp in out.new_logprobs or ()]
+    top = None
+    if first.new_top_logprobs is not None:
+        top = [t for out in run for t in out.new_top_logprobs or ()]
+    return EngineCoreOutput(
+        first.request_id,
+        token_ids,
+        new_logprobs=logprobs,
+        new_top_logprobs=top,
+        prompt_logprobs=next(
+            (o.prompt_logprobs for o in run if o.prompt_logprobs is not None), None
+        ),
+        new_text="".join(out.new_text for out in run),
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        error=last.error,
+        kv_transfer_params=last.kv_transfer_params,
+        num_cached_tokens=max(out.num_cached_tokens for out in run),
+        queue_time_s=next((o.queue_time_s for o in run if o.queue_time_s is not None), None),
+        unavailable=last.unavailable,
+    )

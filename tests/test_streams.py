@@ -34,6 +34,24 @@ def test_one_pull_takes_every_output_of_the_consumers_requests_and_only_theirs()
     assert num_open == 2  # "b" finished; "a" and "c" still open
 
 
+def test_a_requests_steps_since_the_last_pull_come_as_one_output():
+    async def scenario():
+        boxes = Outboxes(idle_timeout_s=60)
+        boxes.open("a", "r")
+        boxes.open("b", "r")
+        boxes.put(EngineCoreOutput("a", [1], [-0.5], new_text="x", queue_time_s=0.2))
+        boxes.put(out("b", 9))
+        boxes.put(EngineCoreOutput("a", [2], [-0.25], new_text="y"))
+        boxes.put(EngineCoreOutput("a", [3], [-1.0], new_text="z", finish_reason="stop"))
+        return await boxes.pull("r", wait_s=1), len(boxes)
+
+    (a, b), num_open = asyncio.run(scenario())
+    assert (a.request_id, a.new_token_ids, a.new_logprobs) == ("a", [1, 2, 3], [-0.5, -0.25, -1.0])
+    assert (a.new_text, a.finish_reason, a.queue_time_s) == ("xyz", "stop", 0.2)
+    assert (b.request_id, b.new_token_ids, b.finished) == ("b", [9], False)
+    assert num_open == 1
+
+
 def test_a_pull_waits_for_output_and_returns_empty_after_its_wait():
     async def scenario():
         boxes = Outboxes(idle_timeout_s=60)

@@ -28,7 +28,7 @@ from pdcluster.actors.front.membership import Members, Membership, PoolEvents, R
 from pdcluster.actors.front.pulls import Pulls
 from pdcluster.actors.front.traces import Traces
 from pdcluster.actors.messages import InstanceStats, RequestTrace
-from pdcluster.engine.outputs import EngineCoreOutput
+from pdcluster.engine.outputs import EngineCoreOutput, coalesce
 from pdcluster.engine.request import Request
 from pdcluster.routing.policy import RouterConfig, RouterPolicy
 
@@ -102,8 +102,7 @@ class Front:
         unfinished = set(range(len(requests)))
         try:
             while unfinished:
-                index, batch = await batches.get()
-                for out in batch:
+                for index, out in _behind(await batches.get(), batches):
                     if out.finished:
                         unfinished.discard(index)
                     yield index, out
@@ -169,3 +168,15 @@ class Front:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _behind(first: Batch, batches: asyncio.Queue[Batch]) -> list[tuple[int, EngineCoreOutput]]:
+    """`first` and every batch queued behind it (the caller fell behind its pulls), as one
+    output per request: a stream then sends the tokens that waited as one event."""
+    if batches.empty():
+        return [(first[0], out) for out in coalesce(first[1])]
+    by_index: dict[int, list[EngineCoreOutput]] = {first[0]: list(first[1])}
+    while not batches.empty():
+        index, batch = batches.get_nowait()
+        by_index.setdefault(index, []).extend(batch)
+    return [(index, out) for index, outs in by_index.items() for out in coalesce(outs)]

@@ -329,12 +329,14 @@ class RequestTimer:
         if not out.new_token_ids:
             return
         now, m = time.perf_counter(), self.metrics
+        num_gaps, span = len(out.new_token_ids), now - self.last_s
         if self.first_s is None:
             self.first_s = now
             m.ttft.observe(now - self.start_s)
             m.prompt_tokens.inc(self.num_prompt_tokens)
-        else:
-            m.itl.observe(now - self.last_s)
+            num_gaps, span = num_gaps - 1, 0.0
+        for _ in range(num_gaps):  # tokens that came together share the time since the last
+            m.itl.observe(span / num_gaps)
         self.last_s = now
         self.num_tokens += len(out.new_token_ids)
         m.generation_tokens.inc(len(out.new_token_ids))
