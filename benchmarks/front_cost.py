@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -47,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from pdcluster.benchmarks.metrics import percentile
 from pdcluster.benchmarks.targets import REPO_ROOT, Target, free_port, url_target
 from pdcluster.benchmarks.workload import LengthScaling, default_trace, request_body, trace_workload
 
@@ -291,17 +293,12 @@ def _latency(arrivals: list[list[float]], concurrency: int) -> dict[str, float]:
     }
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else 0.0
-
-
 def load_latency(arrivals: list[list[float]]) -> dict[str, float]:
     """TTFT and the gap between a stream's events (ms), p50 and p99 over the load."""
     ttft = [a[0] for a in arrivals if a]
     gaps = [b - a for events in arrivals for a, b in zip(events, events[1:])]
-    return {"ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99),
-            "gap_p50": _pct(gaps, 0.5), "gap_p99": _pct(gaps, 0.99)}  # fmt: skip
+    return {f"{name}_p{q}": (percentile(values, q) or 0.0) * 1000
+            for name, values in (("ttft", ttft), ("gap", gaps)) for q in (50, 99)}  # fmt: skip
 
 
 def num_pulls(url: str) -> tuple[int, int | None]:
@@ -581,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure this checkout too, first (e.g. the commit before)")  # fmt: skip
     parser.add_argument("--label", action="append", default=None,
                         help="side names, in order (default: other, this)")  # fmt: skip
+    parser.add_argument("--serve-args", default="",
+                        help="more `pdcluster serve` flags for every side, e.g. "
+                        "'--sim-time-scale 1'")  # fmt: skip
     parser.add_argument("--replicas", type=lambda v: [int(n) for n in v.split(",")],
                         default=None, metavar="N,N,...",
                         help="one side per gateway replica count (--api-server-count), e.g. "
@@ -612,13 +612,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="how long every instance may take to hold nothing after the load")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also write every side here")
     args = parser.parse_args(argv)
+    serve_args = tuple(shlex.split(args.serve_args))
     if args.replicas:  # this checkout, once per replica count
-        sides = [measure(REPO_ROOT, f"replicas-{n}", args, ("--api-server-count", str(n)))
+        sides = [measure(REPO_ROOT, f"replicas-{n}", args,
+                         (*serve_args, "--api-server-count", str(n)))
                  for n in args.replicas]  # fmt: skip
     else:
         checkouts = ([args.checkout] if args.checkout else []) + [REPO_ROOT]
         labels = args.label or ["other", "this"][-len(checkouts) :]
-        sides = [measure(c.resolve(), label, args) for c, label in zip(checkouts, labels)]
+        sides = [measure(c.resolve(), label, args, serve_args)
+                 for c, label in zip(checkouts, labels)]  # fmt: skip
     print(report(sides))
     if args.json:
         sides_data = [dataclasses.asdict(s) for s in sides]

@@ -511,3 +511,17 @@ def test_sessions_smoke_compares_pool_off_and_on_and_reports_the_p_added_mid_run
         assert added["follow_up_prompt_tokens_computed"] <= added["follow_up_prompt_tokens"]
     assert result["off"]["kv_pool_hit_tokens"] == 0
     assert result["on"]["kv_pool"]["num_entries"] > 0  # P and D published
+
+
+def test_front_cost_reads_the_loads_latencies_and_scaling():
+    from pdcluster.benchmarks.front_cost import Side, load_latency, scaling_report
+
+    latency = load_latency([[0.1, 0.2, 0.4], [0.3, 0.5], []])  # seconds from each send
+    assert latency["ttft_p50"] == pytest.approx(200.0)
+    assert latency["gap_p50"] == pytest.approx(200.0)  # gaps 0.1, 0.2, 0.2
+    assert latency["gap_p99"] == pytest.approx(200.0)
+    one = Side("replicas-1", {"front": 500.0}, 10_000, {}, load_s=2.0, load_latency=latency)
+    two = Side("replicas-2", {"front": 900.0}, 18_000, {}, load_s=2.0, load_latency=latency)
+    table = scaling_report([one, two]).splitlines()
+    assert table[2].startswith("| replicas-1 | 5000 | 1.00 | 50 | 0.25 |")
+    assert table[3].startswith("| replicas-2 | 9000 | 1.80 | 50 | 0.45 |")

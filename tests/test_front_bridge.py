@@ -108,3 +108,22 @@ def test_batches_for_a_closed_loop_are_reported_unread(thread):
 
     thread.call(on_front).result(5)
     assert done.wait(5) and unread == ["a", "b"]
+
+
+def test_a_stream_behind_its_pulls_reads_what_waited_as_one_output_per_request():
+    from pdcluster.actors.front.front import _behind
+
+    async def scenario():
+        batches: asyncio.Queue = asyncio.Queue()
+        for batch in [(0, [out("a", 1)]), (1, [out("b", 7)]), (0, [out("a", 2), out("a", 3)])]:
+            batches.put_nowait(batch)
+        first = await batches.get()
+        return _behind(first, batches), batches.empty(), _behind((1, [out("b", 8)]), batches)
+
+    behind, drained, alone = asyncio.run(scenario())
+    assert [(i, o.request_id, o.new_token_ids) for i, o in behind] == [
+        (0, "a", [1, 2, 3]),
+        (1, "b", [7]),
+    ]
+    assert drained
+    assert [(i, o.new_token_ids) for i, o in alone] == [(1, [8])]
