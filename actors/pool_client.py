@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ class PoolClient:
     def __init__(self, pool: str, actor: ActorHandle) -> None:
         self.pool = pool
         self.actor = actor
+        self._kv_pool: ActorHandle | None = None  # found once: it restarts under one handle
 
     # ---- starting, finding and ending a pool -------------------------------------------
     @classmethod
@@ -119,20 +121,32 @@ class PoolClient:
     # ---- the cluster KV pool -----------------------------------------------------------
     def kv_pool_events(self, epoch: str | None, cursor: int) -> KVEvents | None:
         """The cluster KV pool's events after (epoch, cursor); None when it does not answer."""
-        try:
-            kv_pool = ray.get_actor(kv_pool_actor_name(self.pool))
-        except ValueError:  # not (yet) up
+        kv_pool = self._kv_pool_actor()
+        if kv_pool is None:
             return None
-        return answer_or_none(kv_pool.events.remote(epoch, cursor))
+        events = answer_or_none(kv_pool.events.remote(epoch, cursor))
+        if events is None:  # gone for good, perhaps: look it up again next time
+            self._kv_pool = None
+        return events
 
     async def kv_pool_stats(self, timeout_s: float) -> KVPoolStats | None:
         """The cluster KV pool's stats; None when the pool is off or does not answer within
         `timeout_s`."""
-        try:
-            kv_pool = ray.get_actor(kv_pool_actor_name(self.pool))
-            return await asyncio.wait_for(kv_pool.stats.remote(), timeout_s)
-        except (ValueError, ray.exceptions.RayError, asyncio.TimeoutError):
+        kv_pool = self._kv_pool_actor()
+        if kv_pool is None:
             return None
+        try:
+            return await asyncio.wait_for(kv_pool.stats.remote(), timeout_s)
+        except (ray.exceptions.RayError, asyncio.TimeoutError):
+            return None
+
+    def _kv_pool_actor(self) -> ActorHandle | None:
+        """The KV pool's actor, looked up until found (a lookup is a call to Ray's GCS);
+        None while there is none."""
+        if self._kv_pool is None:
+            with contextlib.suppress(ValueError):  # off, or not up yet
+                self._kv_pool = ray.get_actor(kv_pool_actor_name(self.pool))
+        return self._kv_pool
 
 
 def actor_names(namespace: str) -> list[str]:
