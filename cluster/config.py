@@ -186,6 +186,10 @@ class GatewaySettings(StrictSection):
     replicas: int = Field(
         1, ge=1, le=64, description="gateway processes sharing the listen address (SO_REUSEPORT)"
     )
+    stream_interval: int = Field(
+        1, ge=1, le=1024, description="tokens a sequence gathers before its next streamed chunk "
+        "(its first and last go at once); 1 streams each token as it comes, as vLLM's default",
+    )  # fmt: skip
     chat_template: str | None = Field(
         None, description="a Jinja chat template used instead of the model's, or a file "
         "holding one (read when the config loads)",

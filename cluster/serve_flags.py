@@ -28,6 +28,7 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "api_key": (("gateway", "api_key"), str),
     "served_model_name": (("gateway", "served_model_name"), str),
     "api_server_count": (("gateway", "replicas"), int),  # vLLM's name for it
+    "stream_interval": (("gateway", "stream_interval"), int),
     "chat_template": (("gateway", "chat_template"), str),
     "chat_template_content_format": (("gateway", "chat_template_content_format"), str),
     "enable_auto_tool_choice": (("gateway", "enable_auto_tool_choice"), bool),

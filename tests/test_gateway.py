@@ -95,6 +95,33 @@ def test_chat_and_logprobs(client, cluster):
     assert out.usage.prompt_tokens == len(expected)
 
 
+def test_stream_interval_sends_fewer_chunks_of_the_same_text(cluster, client):
+    """gateway.stream_interval 4: after the first token, chunks of at least 4 tokens (but
+    the last); the same text and logprobs as token-by-token streaming."""
+
+    def stream(through) -> tuple[list[int], str, list[float]]:
+        chunks = through.chat.completions.create(
+            model=MODEL, messages=CHAT_BODY["messages"], max_tokens=10, temperature=0,
+            logprobs=True, stream=True, extra_body=NO_EOS,
+        )  # fmt: skip
+        chunks = [c for c in chunks if c.choices and c.choices[0].logprobs]
+        entries = [e for c in chunks for e in c.choices[0].logprobs.content]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        return [len(c.choices[0].logprobs.content) for c in chunks], text, entries
+
+    app = create_app(cluster, GatewaySettings(stream_interval=4), MODEL, cluster.max_model_len)
+    with running(app) as url:
+        gathered = stream(openai.OpenAI(base_url=f"{url}/v1", api_key="unused"))
+    each = stream(client)
+    counts = gathered[0]
+    assert counts[0] == 1 and sum(counts) == 10 and len(counts) <= 4
+    assert all(n >= 4 for n in counts[1:-1])
+    assert len(each[0]) > len(counts)
+    assert gathered[1] == each[1]  # the text
+    assert [e.token for e in gathered[2]] == [e.token for e in each[2]]
+    assert [e.logprob for e in gathered[2]] == pytest.approx([e.logprob for e in each[2]], abs=1e-4)
+
+
 def test_chat_streaming_with_image(client, model_dir, reference, cluster):
     image = random_image(5, (48, 36))
     content = [

@@ -13,17 +13,23 @@ from pdcluster.cluster.api.cluster_client import ClusterClient
 from pdcluster.cluster.api.errors import RETRY_AFTER_S, APIError
 from pdcluster.cluster.api.metrics import GatewayMetrics
 from pdcluster.cluster.api.results import Group, Result
-from pdcluster.engine.outputs import EngineCoreOutput
+from pdcluster.engine.outputs import EngineCoreOutput, coalesce
+from pdcluster.engine.request import Request as EngineRequest
 
 DISCONNECT_POLL_S = 0.1
 
 
 class GroupRunner:
-    """Runs groups of sequences (`ClusterClient.stream_group`) for one gateway replica."""
+    """Runs groups of sequences (`ClusterClient.stream_group`) for one gateway replica.
+    `stream_interval`: the tokens a sequence gathers before its next output goes on (its
+    first and its last go at once); 1 passes each output on as it comes."""
 
-    def __init__(self, cluster: ClusterClient, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, cluster: ClusterClient, metrics: GatewayMetrics, stream_interval: int = 1
+    ) -> None:
         self.cluster = cluster
         self.metrics = metrics
+        self.stream_interval = stream_interval
 
     async def _outputs(self, group: Group) -> AsyncGenerator[tuple[Result, EngineCoreOutput], None]:
         """Drive one prompt's sequences, accumulating their results and recording their
@@ -31,7 +37,12 @@ class GroupRunner:
         unfinished ones and counts them as aborted)."""
         timers = [self.metrics.start(r.num_prompt_tokens) for r in group.requests]
         try:
-            async with contextlib.aclosing(self.cluster.stream_group(group.requests)) as outputs:
+            source = (
+                self._gathered(group.requests)
+                if self.stream_interval > 1
+                else self.cluster.stream_group(group.requests)
+            )
+            async with contextlib.aclosing(source) as outputs:
                 async for i, out in outputs:
                     result = group.results[i]
                     timers[i].observe(out)
@@ -49,6 +60,25 @@ class GroupRunner:
         finally:
             for timer, result in zip(timers, group.results):
                 timer.finish(result.finish_reason)
+
+    async def _gathered(
+        self, requests: list[EngineRequest]
+    ) -> AsyncGenerator[tuple[int, EngineCoreOutput], None]:
+        """The cluster's outputs of `requests`, each sequence's gathered to `stream_interval`
+        tokens (after its first output) into one."""
+        interval = self.stream_interval  # > 1
+        gathering: dict[int, list[EngineCoreOutput]] = {}  # by sequence: outputs held back
+        started: set[int] = set()  # sequences whose first output went on
+        async with contextlib.aclosing(self.cluster.stream_group(requests)) as outputs:
+            async for i, out in outputs:
+                if i in started:
+                    held = gathering.setdefault(i, [])
+                    held.append(out)
+                    if not out.finished and sum(len(o.new_token_ids) for o in held) < interval:
+                        continue
+                    (out,) = coalesce(gathering.pop(i))
+                started.add(i)
+                yield i, out
 
     async def run_to_end(self, http: Request, groups: list[Group]) -> None:
         """Non-streaming: every sequence at once, into its result. A client that disconnects,

@@ -56,7 +56,7 @@ class Serving:
         self.settings = settings
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.runner = GroupRunner(cluster, metrics)
+        self.runner = GroupRunner(cluster, metrics, settings.stream_interval)
 
     @property
     def tokenizer(self) -> Tokenizer:
