@@ -581,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-args", default="",
                         help="more `pdcluster serve` flags for every side, e.g. "
                         "'--sim-time-scale 1'")  # fmt: skip
+    parser.add_argument("--variant", action="append", default=None, metavar="LABEL=FLAGS",
+                        help="a side of this checkout with these serve flags, e.g. "
+                        "'interval-8=--stream-interval 8' (repeatable)")  # fmt: skip
     parser.add_argument("--replicas", type=lambda v: [int(n) for n in v.split(",")],
                         default=None, metavar="N,N,...",
                         help="one side per gateway replica count (--api-server-count), e.g. "
@@ -613,10 +616,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write every side here")
     args = parser.parse_args(argv)
     serve_args = tuple(shlex.split(args.serve_args))
-    if args.replicas:  # this checkout, once per replica count
-        sides = [measure(REPO_ROOT, f"replicas-{n}", args,
-                         (*serve_args, "--api-server-count", str(n)))
-                 for n in args.replicas]  # fmt: skip
+    variants = [(f"replicas-{n}", f"--api-server-count {n}") for n in args.replicas or ()]
+    variants += [tuple(v.split("=", 1)) for v in args.variant or ()]
+    if variants:  # this checkout, once per variant
+        sides = [measure(REPO_ROOT, label, args, (*serve_args, *shlex.split(flags)))
+                 for label, flags in variants]  # fmt: skip
     else:
         checkouts = ([args.checkout] if args.checkout else []) + [REPO_ROOT]
         labels = args.label or ["other", "this"][-len(checkouts) :]

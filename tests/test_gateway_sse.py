@@ -27,9 +27,16 @@ def test_chunks_are_the_json_of_the_whole_object(choices, usage):
     whole: dict[str, Any] = {**BASE, "choices": choices}
     if usage is not None:
         whole["usage"] = usage
-    expected = f"data: {json.dumps(whole, separators=(',', ':'))}\n\n".encode()
     encoder = ChunkEncoder(BASE["id"], BASE["object"], BASE["created"], BASE["model"])
-    assert encoder.event(choices, usage) == expected
+    event = encoder.event(choices, usage)
+    assert event.startswith(b"data: {") and event.endswith(b"}\n\n")
+    assert json.loads(event[6:]) == whole
+
+
+def test_chunks_are_utf8_and_write_a_non_finite_float_as_null_as_vllm_does():
+    encoder = ChunkEncoder(BASE["id"], BASE["object"], BASE["created"], BASE["model"])
+    event = encoder.event([{"index": 0, "text": "é😀", "logprob": float("-inf")}])
+    assert '"text":"é😀","logprob":null}]}'.encode() in event
 
 
 class _Client:

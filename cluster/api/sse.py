@@ -1,8 +1,10 @@
 """Server-sent events of the OpenAI streaming APIs: chunk encoding and the response.
 
 Every chunk of one response shares its `id`, `object`, `created` and `model`: they are
-encoded once, and each chunk encodes only its choices (and usage). The bytes equal
-`json.dumps({**base, "choices": choices, ...}, separators=(",", ":"))`.
+encoded once, and each chunk encodes only its choices (and usage), with orjson: compact
+UTF-8 JSON as vLLM's pydantic writes it (text unescaped, a non-finite float as null). What
+orjson refuses (a lone surrogate, an integer past 64 bits) is written by the standard
+library instead, escaped.
 """
 
 from __future__ import annotations
@@ -14,11 +16,19 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 DONE = b"data: [DONE]\n\n"
-_encode = json.JSONEncoder(separators=(",", ":")).encode
+_standard = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _encode(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value)
+    except (orjson.JSONEncodeError, TypeError):  # a lone surrogate, a huge integer
+        return _standard(value).encode()
 
 
 class ChunkEncoder:
@@ -26,16 +36,16 @@ class ChunkEncoder:
 
     def __init__(self, rid: str, obj: str, created: int, model: str) -> None:
         base = {"id": rid, "object": obj, "created": created, "model": model}
-        self._head = b"data: " + _encode(base)[:-1].encode() + b',"choices":'
+        self._head = b"data: " + _encode(base)[:-1] + b',"choices":'
 
     def event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
-        tail = "}\n\n" if usage is None else f',"usage":{_encode(usage)}}}\n\n'
-        return self._head + (_encode(choices) + tail).encode()
+        tail = b"}\n\n" if usage is None else b',"usage":' + _encode(usage) + b"}\n\n"
+        return self._head + _encode(choices) + tail
 
 
 def named_event(payload: dict[str, Any]) -> bytes:
     """`event: TYPE\ndata: {...}\n\n`, as the Responses API streams its typed events."""
-    return f"event: {payload['type']}\ndata: {_encode(payload)}\n\n".encode()
+    return b"event: " + payload["type"].encode() + b"\ndata: " + _encode(payload) + b"\n\n"
 
 
 @dataclass(frozen=True)
