@@ -136,7 +136,7 @@ def _on_chunk(chunk: dict[str, Any], result: RequestResult) -> bool:
         delta = choice.get("delta")
         if delta is not None and "role" in delta:
             continue  # chat's opening chunk: no token yet
-        carries = True  # one chunk per engine output (text may be held back: still a token)
+        carries = True  # one chunk per output: a token or those that came together
     return carries
 
 

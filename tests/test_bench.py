@@ -410,8 +410,8 @@ def test_bench_smoke_two_topologies(ray_session, preset_dir, tmp_path):
             assert s["ttft_ms"]["p50"] <= s["ttft_ms"]["p90"] <= s["ttft_ms"]["p99"]
             for r in run["requests"]:
                 assert r["num_output_tokens"] == r["output_len"]
-                if not r["has_image"]:  # completions stream one chunk per token
-                    assert len(r["itl_ms"]) == r["output_len"] - 1
+                # a chunk per engine output: a token, or the tokens that arrived together
+                assert min(1, r["output_len"] - 1) <= len(r["itl_ms"]) <= r["output_len"] - 1
             assert any(r["has_image"] for r in run["requests"])
         assert topo["goodput"]["rps"] in (None, 4.0, 16.0)
         overhead = topo["gateway_overhead"]
