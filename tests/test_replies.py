@@ -5,6 +5,7 @@ result still delivered after its waiter gave up waiting on it for a while."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import ray
@@ -29,6 +30,9 @@ class Echo:
     async def fail(self) -> None:
         raise ValueError("bad input")
 
+    def die(self) -> None:
+        os._exit(1)  # the process ends during the call: the caller gets RayActorError
+
 
 def test_results_and_errors_arrive_as_await_ref_gives_them(ray_session):
     echo = ray.remote(Echo).options(max_concurrency=1000).remote()
@@ -46,9 +50,8 @@ def test_results_and_errors_arrive_as_await_ref_gives_them(ray_session):
             await asyncio.wait_for(asyncio.shield(slow), 0.05)
         await echo.open_gate.remote()
         late = await slow  # ... still gets the result
-        ray.kill(echo)
-        with pytest.raises(ray.exceptions.RayActorError):
-            ref = echo.echo.remote(1)
+        with pytest.raises(ray.exceptions.RayActorError):  # (a call after ray.kill may
+            ref = echo.die.remote()  # still reach the process before it is gone)
             await replies.future(ref)
         return values, late
 
