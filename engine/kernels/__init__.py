@@ -4,9 +4,10 @@ The C++ next to this file is compiled by torch's extension JIT (a C++ compiler a
 `torch.utils.cpp_extension.load`; ~1 minute on 2 cores) once per machine kind and source
 content, and cached under ~/.cache/torch_extensions ($TORCH_EXTENSIONS_DIR), so later processes
 load the built library in well under a second. The build is keyed by the sources' content and
-compiled from a copy of them inside the build folder: every copy of the same sources (an
-installed package, a checkout, a Ray job's unpacked working dir) shares one build, since ninja
-sees the same paths, while a changed source gets a build of its own.
+the torch installation, and compiled from a copy of the sources inside the build folder: every
+copy of the same sources (an installed package, a checkout, a Ray job's unpacked working dir)
+run by one environment shares one build, since ninja sees the same paths, while a changed
+source or another environment gets a build of its own.
 Where it cannot be built (no compiler, a torch without its headers), callers run their torch
 path instead; that is logged once. Nothing here is needed for correctness. The operators:
 
@@ -76,7 +77,10 @@ def _build_and_load() -> None:
         r"\W", "_", f"py{sys.version_info[0]}{sys.version_info[1]}_{torch.__version__}"
     )
     files = {f.name: f.read_bytes() for f in sorted(Path(__file__).parent.glob("*.[ch]*"))}
-    content = hashlib.sha1()  # of the .cpp files and the headers
+    # Of the .cpp files and the headers, and of torch's install folder: the compile command
+    # names torch's headers by path, so two environments (two venvs, a CI clone beside a
+    # checkout) sharing one build folder would each take the other's build for stale.
+    content = hashlib.sha1(str(Path(torch.__file__).resolve().parent).encode())
     for file_name, data in files.items():
         content.update(file_name.encode() + b"\0" + data)
     root = root / variant  # one build per Python and torch
