@@ -30,6 +30,11 @@ class KVEventLog:
         self._events.extend(events)
         self._next_seq += len(events)
 
+    @property
+    def cursor(self) -> int:
+        """A reader that has read up to here has read everything."""
+        return self._next_seq
+
     def since(self, epoch: str | None, cursor: int) -> KVEvents:
         """The events after `cursor` (a reader's last `KVEvents.cursor`), or the whole set."""
         first_kept = self._next_seq - len(self._events)

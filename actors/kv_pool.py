@@ -11,6 +11,7 @@ entries to disk meanwhile, so the store's spill directory is the pool's disk tie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 
@@ -48,6 +49,7 @@ class KVPoolActor:
         logging.basicConfig(level=logging.INFO)
         self.index = KVPoolIndex(capacity_bytes, pin_s)
         self._events = KVEventLog()
+        self._published: asyncio.Event | None = None  # set (and replaced) at every publish
         self._num_failed_publishes = 0
         self._num_bytes_published = 0
         logger.info("KV pool: %.2f GiB", capacity_bytes / GiB)
@@ -67,6 +69,9 @@ class KVPoolActor:
         finally:
             arrays = None
         kept = self.index.add(dataclasses.replace(entry, refs=[own]))
+        if self._published is not None:  # a kept entry stores blocks, and may evict some
+            self._published.set()
+            self._published = None
         self._num_bytes_published += entry.nbytes if kept else 0
         return kept
 
@@ -78,11 +83,20 @@ class KVPoolActor:
     async def release(self, lookup_id: int) -> None:
         self.index.release(lookup_id)
 
-    async def events(self, epoch: str | None = None, events_after: int = -1) -> KVEvents:
+    async def events(
+        self, epoch: str | None = None, events_after: int = -1, wait_s: float = 0.0
+    ) -> KVEvents:
         """The blocks that became reachable here or stopped being so after a reader's cursor
         (`epoch`, `events_after`: from its previous answer), as instances' KV events are:
-        routers know from these which prefixes any P can load instead of computing."""
+        routers know from these which prefixes any P can load instead of computing. With
+        nothing new, the answer waits up to `wait_s` seconds for a publish (a long-poll)."""
         self._events.extend(self.index.take_events())
+        if (epoch, events_after) == (self._events.epoch, self._events.cursor) and wait_s > 0:
+            if self._published is None:
+                self._published = asyncio.Event()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._published.wait(), wait_s)
+            self._events.extend(self.index.take_events())
         return self._events.since(epoch, events_after)
 
     async def object_ids(self) -> list[str]:

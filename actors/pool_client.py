@@ -7,7 +7,6 @@ none themselves.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import time
 from typing import TYPE_CHECKING, Any
@@ -18,27 +17,26 @@ from ray.actor import ActorHandle
 from pdcluster.actors.kv_pool import kv_pool_actor_name
 from pdcluster.actors.messages import KVEvents
 from pdcluster.actors.pool_controller import ON_HEAD, PlacementTimeout, PoolController
-from pdcluster.actors.pool_messages import KVPoolStats, PlannerState
+from pdcluster.actors.pool_messages import KVPoolStats, MemberList, PlannerState
 from pdcluster.routing.role import Role
 
 if TYPE_CHECKING:  # built by the launcher above this layer and handed in
     from pdcluster.cluster.control.pool import PoolPlan
 
 END_TIMEOUT_S = 120.0  # the controller's shutdown: drains nothing, ends every instance
+ANSWER_TIMEOUT_S = 10.0  # a control-plane call's answer, beyond any wait it was asked for
 
 
-def answer_or_none(ref: ray.ObjectRef, timeout_s: float = 10.0) -> Any:
-    """The call's result, or None when it failed or took too long. The error is read off the
-    call's future, never raised: a raised error's traceback would hold the call's ref in a
-    reference cycle, keeping its object alive until the next garbage collection."""
-    future = ref.future()
+async def answer_or_none(ref: ray.ObjectRef, timeout_s: float) -> Any:
+    """The call's result, or None when it failed or took too long. The ref is dropped before
+    the wait: a raised error's traceback would hold it in a reference cycle, keeping its
+    object alive until the next garbage collection."""
+    future = asyncio.wrap_future(ref.future())
     del ref
     try:
-        failed = future.exception(timeout=timeout_s) is not None
-    except concurrent.futures.TimeoutError:
-        future.cancel()
+        return await asyncio.wait_for(future, timeout_s)
+    except (ray.exceptions.RayError, asyncio.TimeoutError):
         return None
-    return None if failed else future.result()
 
 
 class PoolClient:
@@ -99,9 +97,12 @@ class PoolClient:
         ray.kill(self.actor, no_restart=True)
 
     # ---- the control plane (never on a request's path) ---------------------------------
-    def members_or_none(self) -> dict[str, Role] | None:
-        """instance id -> role; None when the controller does not answer."""
-        return answer_or_none(self.actor.members.remote())
+    async def members_after(
+        self, epoch: str | None, version: int, wait_s: float
+    ) -> MemberList | None:
+        """See `PoolController.members_after`; None when the controller does not answer."""
+        call = self.actor.members_after.remote(epoch, version, wait_s)
+        return await answer_or_none(call, wait_s + ANSWER_TIMEOUT_S)
 
     def report_latency(
         self, replica_id: str, ttft_p90_ms: float | None, tpot_p90_ms: float | None
@@ -119,12 +120,16 @@ class PoolClient:
         return await self.actor.planner_state.remote()
 
     # ---- the cluster KV pool -----------------------------------------------------------
-    def kv_pool_events(self, epoch: str | None, cursor: int) -> KVEvents | None:
-        """The cluster KV pool's events after (epoch, cursor); None when it does not answer."""
-        kv_pool = self._kv_pool_actor()
+    async def kv_pool_events(
+        self, epoch: str | None, cursor: int, wait_s: float
+    ) -> KVEvents | None:
+        """The cluster KV pool's events after (epoch, cursor), waiting up to `wait_s` for
+        one; None when it does not answer."""
+        kv_pool = self._kv_pool_actor()  # a blocking lookup only until it is found
         if kv_pool is None:
             return None
-        events = answer_or_none(kv_pool.events.remote(epoch, cursor))
+        call = kv_pool.events.remote(epoch, cursor, wait_s)
+        events = await answer_or_none(call, wait_s + ANSWER_TIMEOUT_S)
         if events is None:  # gone for good, perhaps: look it up again next time
             self._kv_pool = None
         return events

@@ -1,8 +1,8 @@
 """PoolController: one instance pool's membership, and the only thing that changes it.
 
 A named actor (`<pool>-controller`) on the control plane only: gateway replicas read its
-membership when they start and poll it for instances that join or leave; no request ever
-calls it. It launches the pool, adds instances of a role and drains them away at run time
+membership when they start and then wait on it (a long-poll) for instances that join or
+leave; no request ever calls it. It launches the pool, adds instances of a role and drains them away at run time
 (`scale`), and runs the autoscaling planner when the config has an `autoscale:` section.
 What to launch, how to size it and what the planner decides are the pool's plan
 (cluster/control/pool.py, plain Python); this actor carries them out with Ray.
@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,7 @@ from pdcluster.actors.instance import InstanceActor
 from pdcluster.actors.kv_pool import KVPoolActor, kv_pool_actor_name, kv_pool_capacity_bytes
 from pdcluster.actors.messages import InstanceStats
 from pdcluster.actors.pool_members import PoolMembers, members_actor_name
-from pdcluster.actors.pool_messages import PlannerState
+from pdcluster.actors.pool_messages import MemberList, PlannerState
 from pdcluster.routing.role import Role
 
 if TYPE_CHECKING:  # built by the launcher above this layer and handed in
@@ -64,6 +65,9 @@ class PoolController:
         )  # fmt: skip
         self._members: dict[str, Role] = {}  # read from the store before first use
         self._loaded = False
+        self._epoch = uuid.uuid4().hex[:12]  # this incarnation's: see MemberList
+        self._version = 0
+        self._changed: asyncio.Event | None = None  # set (and replaced) at every change
         self._handles: dict[str, ray.actor.ActorHandle] = {}  # instance id -> its actor
         self._next_index: Counter[Role] = Counter()
         self._lock: asyncio.Lock | None = None
@@ -107,9 +111,18 @@ class PoolController:
 
     async def members(self) -> dict[str, Role]:
         """instance id (its actor name) -> role."""
+        return (await self.members_after(None, -1, 0.0)).members
+
+    async def members_after(self, epoch: str | None, version: int, wait_s: float) -> MemberList:
+        """The membership once it is not (`epoch`, `version`), a reader's last answer, or
+        after `wait_s` seconds if it stays so: a replica with nothing new to hear makes one
+        call per `wait_s`."""
         await self._load()
         self._ensure_planner()  # also after a restart of this actor
-        return dict(self._members)
+        if (epoch, version) == (self._epoch, self._version) and wait_s > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed_event().wait(), wait_s)
+        return MemberList(self._epoch, self._version, dict(self._members))
 
     async def planner_state(self) -> PlannerState:
         """See `PoolPlan.planner_state`."""
@@ -307,10 +320,18 @@ class PoolController:
             self._next_index = self.plan.next_indices(self._members)
             self._loaded = True
 
+    def _changed_event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
     async def _save(self) -> None:
-        """Keep the membership in its own actor (for a restarted controller). A failed
-        write is logged: this controller still holds the membership, and writes it whole
-        at the next change."""
+        """Wake the replicas waiting on the membership (it changed), and keep it in its own
+        actor (for a restarted controller). A failed write is logged: this controller still
+        holds the membership, and writes it whole at the next change."""
+        self._version += 1
+        self._changed_event().set()
+        self._changed = None
         try:
             await self._store.put.remote(dict(self._members))
         except ray.exceptions.RayError as exc:

@@ -1,5 +1,5 @@
-"""Typed answers of a pool's control-plane actors: the pool controller's planner state and
-the cluster KV pool's stats. The actors return them and gateway replicas, the CLI and the
+"""Typed answers of a pool's control-plane actors: the pool controller's membership and
+planner state, and the cluster KV pool's stats. The actors return them and gateway replicas, the CLI and the
 benchmarks read them as they are; `to_dict` is their JSON form, used only where they leave
 the process (an HTTP response, a benchmark's result file).
 """
@@ -11,6 +11,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.routing.role import Role
+
+
+@dataclass(frozen=True)
+class MemberList:
+    """The pool's membership as one controller incarnation numbers it
+    (`PoolController.members_after`): a reader passes (`epoch`, `version`) back to wait for
+    the next change."""
+
+    epoch: str  # one per controller incarnation: a version from another one is meaningless
+    version: int  # one more at every join and every leave
+    members: dict[str, Role]  # instance id (its actor name) -> role
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ class Cluster:
         self.pool = pool  # the instance pool's name: other replicas attach by it
         self._client = client
         self.front = Front(
-            client.members_or_none,
+            client.members_after,
             router_config(config),
             lambda ttft, tpot: client.report_latency(self.front.replica_id, ttft, tpot),
             None if config.connector.kv_pool_size_gib == 0 else client.kv_pool_events,

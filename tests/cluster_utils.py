@@ -155,16 +155,18 @@ def assert_clean(cluster: Cluster, baseline: set[str], timeout_s: float = 20.0) 
     cluster.wait_idle(timeout_s)
     assert wait_until(lambda: cluster.front.num_in_flight() == 0, timeout_s)
 
-    # A pull in flight, a member's actor handle, or an entry of the KV pool is no leak.
-    members = [h._actor_id.hex() for _, h in cluster.instances.values()]
+    # A pull or a long-poll in flight (to the pool controller or the KV pool), a member's actor
+    # handle, or an entry of the KV pool is no leak: an actor call's object id holds the actor's.
     pool = kv_pool_actor(cluster)
+    callees = [cluster.controller, *(h for _, h in cluster.instances.values())]
+    callee_ids = [h._actor_id.hex() for h in callees + ([pool] if pool is not None else [])]
 
     def leaked() -> set[str]:
         since = time.monotonic()
         live = live_object_ids() - baseline - pull_object_ids(since)
         if pool is not None:
             live -= set(ray.get(pool.object_ids.remote()))
-        return {o for o in live if not any(a in o for a in members)}
+        return {o for o in live if not any(a in o for a in callee_ids)}
 
     assert wait_until(lambda: not leaked(), timeout_s), _describe(leaked())
 

@@ -47,6 +47,10 @@ def test_scale_up_then_down_under_load_serves_on_the_new_instance_and_loses_noth
     with start(model_dir, prefill=1, decode=1) as cluster:
         baseline = live_object_ids()
 
+        before = ray.get(cluster.controller.members_after.remote(None, -1, 0.0))
+        # a replica's long-poll: answered when the pool changes, not after its wait
+        waiting = cluster.controller.members_after.remote(before.epoch, before.version, 600.0)
+
         async def scale_up():
             first = await _stream_all(cluster, PROMPTS[:6])
             members = await cluster.scale("decode", 2)  # while those stream
@@ -56,6 +60,8 @@ def test_scale_up_then_down_under_load_serves_on_the_new_instance_and_loses_noth
 
         members, outs = asyncio.run(scale_up())
         assert sorted(members.values()) == ["decode", "decode", "prefill"]
+        assert ray.get(waiting, timeout=60).members == members
+        del waiting  # a live ref would count as a leaked object
         for prompt, out in zip(PROMPTS, outs):
             assert out.finish_reason == "length"
             assert out.token_ids == reference(prompt, LONG).token_ids  # colocated's tokens

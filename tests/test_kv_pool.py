@@ -171,10 +171,14 @@ def reference(preset_dir):
 def test_a_prefix_computed_on_one_instance_is_loaded_on_another(preset_dir, make_pool, reference):
     path, pool = preset_dir("tiny-llama"), make_pool()
     first, second = pooled_llm(path, pool), pooled_llm(path, pool)
+    empty = ray.get(pool.events.remote())
+    waiting = pool.events.remote(empty.epoch, empty.cursor, 600.0)  # a router's long-poll
     turn1 = run(first, PROMPT)
     assert turn1.outputs[0].token_ids == reference(PROMPT)
     # The first instance published prompt and output: 37 + 6 tokens, 10 full blocks computed.
     assert wait_until(lambda: pool_stats(pool).num_blocks == 10)
+    woken = ray.get(waiting, timeout=60)  # answered at the first publish, not after 600 s
+    assert woken.stored and not woken.reset and woken.epoch == empty.epoch
 
     follow_up = [*PROMPT, *turn1.outputs[0].token_ids, 7, 8, 9]
     turn2 = run(second, follow_up)

@@ -39,10 +39,10 @@ CLOSE_TIMEOUT_S = 10.0
 
 
 class Front:
-    """`members`: a callable returning {instance id: role}, or None when it cannot tell
-    (polled for joins and leaves). `kv_pool_events`: a callable returning the cluster KV
-    pool's events after a cursor (epoch, cursor), or None when it cannot tell (polled as
-    the membership is; absent when there is no pool). `report_latency` hears this replica's
+    """`members`: an async callable returning the membership after a version, or None when
+    it cannot tell (long-polled for joins and leaves). `kv_pool_events`: one returning the
+    cluster KV pool's events after a cursor (epoch, cursor), or None when it cannot tell
+    (long-polled as the membership is; absent when there is no pool). `report_latency` hears this replica's
     TTFT and TPOT p90 now and then (for the planner)."""
 
     def __init__(
@@ -77,7 +77,7 @@ class Front:
             self._pulls.stop,
             kv_pool_events,
         )
-        self._thread.call(self._membership.sync).result()
+        self._thread.call(self._membership.sync()).result()
         watch = self._membership.watch(report_latency, self._traces.latency_p90)
         self._watcher = self.run_coroutine(watch)
 

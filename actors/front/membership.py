@@ -1,14 +1,18 @@
 """The pool as one gateway replica follows it: instances join and leave at run time (a
 joined one is pulled, a left one's requests move), the cluster KV pool's block events feed
-routing, and now and then the planner hears this replica's latencies."""
+routing, and now and then the planner hears this replica's latencies.
+
+The membership and the KV pool's events are long-polls: each answers at once when there is
+something new and waits up to READ_WAIT_S when there is not, and a replica reads each at
+most once per MIN_READ_INTERVAL_S. An idle replica so makes one call per READ_WAIT_S to
+each; a busy pool costs it at most one call per second to each."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import ray
 from ray.actor import ActorHandle
@@ -16,15 +20,19 @@ from ray.actor import ActorHandle
 from pdcluster.actors.front.flights import Flights
 from pdcluster.actors.front.instances import Instances
 from pdcluster.actors.messages import KVEvents
+from pdcluster.actors.pool_messages import MemberList
 from pdcluster.routing.role import Role
 
 logger = logging.getLogger(__name__)
 
-MEMBERS_POLL_S = 1.0  # how often the pool's membership is re-read
-LATENCY_REPORT_ROUNDS = 5  # membership polls between two latency reports to the planner
+READ_WAIT_S = 30.0  # a long-poll's longest wait with nothing new
+MIN_READ_INTERVAL_S = 1.0  # between two reads of one source, however busy the pool is
+LATENCY_REPORT_S = 5.0  # between two latency reports to the planner
 
-Members = Callable[[], dict[str, Role] | None]  # instance id -> role; None: cannot tell
-PoolEvents = Callable[[str | None, int], KVEvents | None]  # after (epoch, cursor)
+# After (epoch, version), waiting up to a time: the membership; None: cannot tell
+Members = Callable[[str | None, int, float], Awaitable[MemberList | None]]
+# After (epoch, cursor), waiting up to a time: the KV pool's events; None: cannot tell
+PoolEvents = Callable[[str | None, int, float], Awaitable[KVEvents | None]]
 ReportLatency = Callable[[float | None, float | None], None]  # TTFT, TPOT p90 (ms)
 
 
@@ -50,6 +58,7 @@ class Membership:
         self._start_pull = start_pull
         self._stop_pull = stop_pull
         self._kv_pool_events = kv_pool_events
+        self._members_cursor: tuple[str | None, int] = (None, -1)
         self._kv_pool_cursor: tuple[str | None, int] = (None, -1)
         self._lookup = lookup or _get_actor
 
@@ -58,56 +67,59 @@ class Membership:
         report_latency: ReportLatency | None = None,
         latency_p90: Callable[[], tuple[float | None, float | None]] | None = None,
     ) -> None:
-        """Poll the membership; every LATENCY_REPORT_ROUNDS polls, report `latency_p90()`."""
-        for round_index in itertools.count(1):
-            await asyncio.sleep(MEMBERS_POLL_S)
-            try:
-                await self.sync_async()
-                await self.sync_kv_pool_async()
-                if report_latency and round_index % LATENCY_REPORT_ROUNDS == 0:
-                    await asyncio.get_running_loop().run_in_executor(
-                        None, report_latency, *latency_p90()
-                    )
-            except Exception:  # noqa: BLE001 - a failed read keeps the last membership
-                logger.exception("reading the instance pool failed")
+        """Follow the membership and the KV pool's events; every LATENCY_REPORT_S, report
+        `latency_p90()` (unless it is nothing again)."""
+        loops = [self._follow(self.sync)]
+        if self._kv_pool_events is not None:
+            loops.append(self._follow(self.sync_kv_pool))
+        if report_latency is not None and latency_p90 is not None:
+            loops.append(_report_latency(report_latency, latency_p90))
+        await asyncio.gather(*loops)
 
-    def sync(self) -> None:
-        """Read and apply the membership now (blocking: before the loop serves)."""
-        self._apply(*self._read())
+    async def sync(self, wait_s: float = 0.0) -> None:
+        """Read the membership, waiting up to `wait_s` for a change, and look up joined
+        instances' handles off the loop (blocking Ray calls); then apply it."""
+        members = await self._members(*self._members_cursor, wait_s)
+        if members is None:  # cannot tell: nothing changes
+            return
+        handles = await asyncio.get_running_loop().run_in_executor(None, self._handles, members)
+        self._apply(members.members, handles)
+        if all(iid in self._instances for iid in members.members):  # else: again next read
+            self._members_cursor = (members.epoch, members.version)
 
-    async def sync_async(self) -> None:
-        """Read the membership and look up joined instances' handles off the loop (both
-        are blocking Ray calls), then apply it."""
-        members, handles = await asyncio.get_running_loop().run_in_executor(None, self._read)
-        self._apply(members, handles)
-
-    async def sync_kv_pool_async(self) -> None:
-        """Read the cluster KV pool's events since the last read (a blocking Ray call, off
-        the loop) into the routing policy."""
+    async def sync_kv_pool(self, wait_s: float = 0.0) -> None:
+        """Read the cluster KV pool's events since the last read, waiting up to `wait_s` for
+        one, into the routing policy."""
         if self._kv_pool_events is None:
             return
-        read = self._kv_pool_events
-        events = await asyncio.get_running_loop().run_in_executor(None, read, *self._kv_pool_cursor)
+        events = await self._kv_pool_events(*self._kv_pool_cursor, wait_s)
         if events is None:
             return
         reset = events.reset or events.epoch != self._kv_pool_cursor[0]
         self._policy.apply_pool_events(events.stored, events.removed, reset)
         self._kv_pool_cursor = (events.epoch, events.cursor)
 
-    def _read(self) -> tuple[dict[str, Role] | None, dict[str, ActorHandle]]:
-        members = self._members()
-        joined = [iid for iid in members or () if iid not in self._instances]
+    @staticmethod
+    async def _follow(read: Callable[[float], Awaitable[None]]) -> None:
+        while True:
+            try:
+                await read(READ_WAIT_S)
+            except Exception:  # noqa: BLE001 - a failed read keeps what was read before
+                logger.exception("reading the instance pool failed")
+            await asyncio.sleep(MIN_READ_INTERVAL_S)
+
+    def _handles(self, members: MemberList) -> dict[str, ActorHandle]:
+        """The actors of instances that joined (those found: one may be gone again)."""
+        joined = [iid for iid in members.members if iid not in self._instances]
         handles = {}
         for iid in joined:
             handle = self._lookup(iid)
             if handle is not None:
                 handles[iid] = handle
-        return members, handles
+        return handles
 
-    def _apply(self, members: dict[str, Role] | None, handles: dict[str, ActorHandle]) -> None:
-        """Start pulling joined instances, drop left ones; None (unknown) changes nothing."""
-        if members is None:
-            return
+    def _apply(self, members: dict[str, Role], handles: dict[str, ActorHandle]) -> None:
+        """Start pulling joined instances, drop left ones."""
         for iid, handle in handles.items():
             if iid not in self._instances:
                 self._instances.add(iid, handle)
@@ -119,6 +131,24 @@ class Membership:
             self._policy.remove_instance(iid)
             self._instances.remove(iid)
             self._flights.accounting.forget(iid)
+
+
+async def _report_latency(
+    report: ReportLatency, latency_p90: Callable[[], tuple[float | None, float | None]]
+) -> None:
+    """Every LATENCY_REPORT_S, `report` (a blocking Ray call, off the loop) the latencies,
+    unless there are none, again: an idle replica stops reporting."""
+    last: tuple[float | None, float | None] = (None, None)
+    while True:
+        await asyncio.sleep(LATENCY_REPORT_S)
+        latencies = latency_p90()
+        if latencies == last == (None, None):
+            continue
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, report, *latencies)
+        except Exception:  # noqa: BLE001 - the next report is as good
+            logger.exception("reporting latencies to the planner failed")
+        last = latencies
 
 
 def _get_actor(instance_id: str) -> ActorHandle | None:
