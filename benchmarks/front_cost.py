@@ -7,7 +7,7 @@ and after. Processes are grouped by what they run: `instance` (the E/P/D actors)
 other actor: the pool controller, the KV pool's owner), `ray` (Ray's own daemons and idle
 workers). Also the TTFT and the first-to-second token gap
 at concurrency 1 and 16, the idle cluster's CPU (% of one core per group, over `--idle-s`
-with no request), the instances' pulls per second when idle and under load (from their
+with no request; and the same for pdcluster's own threads alone, without Ray's), the instances' pulls per second when idle and under load (from their
 `num_pulls` stat, where the checkout has it), and each instance process's memory (PSS).
 `--checkout DIR` runs another checkout's serve (e.g. the commit before a change) with this
 same client, so both sides are measured the same way:
@@ -75,6 +75,7 @@ class Side:
     latency: dict[str, float]  # e.g. ttft_p50_ms_c1
     num_requests: int = 0  # of the load
     idle_pct: dict[str, float] = field(default_factory=dict)  # group -> % of one core, idle
+    idle_own_pct: dict[str, float] = field(default_factory=dict)  # the same, own threads only
     pulls_per_s: dict[str, float | None] = field(default_factory=dict)  # "idle", "load"
     instance_pss_mb: list[float] = field(default_factory=list)
     front_pss_mb: list[float] = field(default_factory=list)  # each front process, after the load
@@ -126,12 +127,35 @@ def _tree(root: int) -> list[int]:
     return seen
 
 
-def _cpu_s(pid: int) -> float | None:
+def _cpu_s(pid: int, stat: str = "stat") -> float | None:
+    """User + system CPU seconds of a process (`stat`) or of one of its threads
+    (`task/TID/stat`)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/{stat}").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _own_threads_cpu_s(pid: int, root: int) -> float:
+    """CPU seconds of the threads of a process that run pdcluster's loops: those named as the
+    process (a thread inherits its creator's name, and Ray names the threads of its C++ core),
+    less an actor process's main thread, Ray's task loop, which wakes every 10 ms whatever the
+    actor does (Ray's per-process floor, benchmarks/idle_floor.py). An upper bound: a Python
+    thread of Ray's own counts too."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text()
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return 0.0
+    own = 0.0
+    for tid in tids:
+        if tid == pid and pid != root:
+            continue
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/task/{tid}/comm").read_text() == name:
+                own += _cpu_s(pid, f"task/{tid}/stat") or 0.0
+    return own
 
 
 def _group(pid: int, root: int) -> str:
@@ -312,19 +336,30 @@ def _rate(before: int | None, after: int | None, seconds: float) -> float | None
     return None if before is None or after is None else (after - before) / seconds
 
 
+def own_snapshot(root: int) -> dict[int, tuple[str, float]]:
+    """`snapshot`, counting only each process's own threads (`_own_threads_cpu_s`)."""
+    return {
+        pid: (_group(pid, root), _own_threads_cpu_s(pid, root))
+        for pid in _tree(root)
+        if _group(pid, root) != "ray"
+    }
+
+
 def measure_idle(
     url: str, root: int, idle_s: float, settle_s: float
-) -> tuple[dict[str, float], float | None]:
-    """% of one core per group, and pulls per second, over `idle_s` with no request, after
-    `settle_s` for the last requests' after-effects (reaping, stats) to pass."""
+) -> tuple[dict[str, float], dict[str, float], float | None]:
+    """% of one core per group, the same for pdcluster's own threads alone, and pulls per
+    second, over `idle_s` with no request, after `settle_s` for the last requests'
+    after-effects (reaping, stats) to pass."""
     time.sleep(settle_s)
     _, pulls_before = num_pulls(url)
-    before, start = snapshot(root), time.monotonic()
+    before, own_before, start = snapshot(root), own_snapshot(root), time.monotonic()
     time.sleep(idle_s)
-    after, elapsed = snapshot(root), time.monotonic() - start
+    after, own_after, elapsed = snapshot(root), own_snapshot(root), time.monotonic() - start
     _, pulls_after = num_pulls(url)
     pct = {g: ms / elapsed / 10 for g, ms in cpu_ms_between(before, after).items()}
-    return pct, _rate(pulls_before, pulls_after, elapsed)
+    own = {g: ms / elapsed / 10 for g, ms in cpu_ms_between(own_before, own_after).items()}
+    return pct, own, _rate(pulls_before, pulls_after, elapsed)
 
 
 # ---- after a load: what a scale run must show ---------------------------------------------
@@ -418,7 +453,8 @@ def measure(
                                          concurrency, timeout_s))  # fmt: skip
             latency.update(_latency(probe.arrivals, concurrency))
         loadavg = {"idle": os.getloadavg()}
-        idle_pct, idle_pulls = measure_idle(url, proc.pid, args.idle_s, args.idle_settle_s)
+        idle = measure_idle(url, proc.pid, args.idle_s, args.idle_settle_s)
+        idle_pct, idle_own_pct, idle_pulls = idle
         num_instances, pulls_before = num_pulls(url)
         num = args.concurrency * args.requests_each
         bodies = (trace_bodies(args, target, num) if args.trace
@@ -437,6 +473,7 @@ def measure(
         side = Side(label, cpu_ms_between(before, after), load.tokens, latency)
         side.num_requests = load.num_requests
         side.idle_pct = idle_pct
+        side.idle_own_pct = idle_own_pct
         side.pulls_per_s = {
             "idle": idle_pulls,
             "load": _rate(pulls_before, pulls_after, load.wall_s),
@@ -500,12 +537,16 @@ def report(sides: list[Side]) -> str:
         cells = [s.label, str(s.tokens), *(f"{s.per_1k(g):.0f}" for g in groups), f"{total:.0f}",
                  *(f"{v:.1f}" for v in s.latency.values())]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    own_groups = [g for g in groups if g != "ray"]
     lines += ["", "| side | instances | idle % of a core: " + " / ".join(groups)
+              + " | idle, own threads: " + " / ".join(own_groups) + " | all own"
               + " | pulls/s idle | pulls/s load | tokens/s | tokens/pull | front µs/pull"
               " | front ms/request | PSS MB/instance | streams lost |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for s in sides:
         idle = " / ".join(f"{s.idle_pct.get(g, 0.0):.1f}" for g in groups)
+        own = [s.idle_own_pct.get(g, 0.0) for g in own_groups]
+        idle += " | " + " / ".join(f"{v:.1f}" for v in own) + f" | {sum(own):.1f}"
         pulls = [f"{v:.0f}" if v is not None else "n/a" for v in s.pulls_per_s.values()]
         load_pulls, per_pull = s.pulls_per_s.get("load"), s.front_us_per_pull()
         per_token = f"{s.tokens_per_s / load_pulls:.1f}" if load_pulls else "n/a"

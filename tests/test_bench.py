@@ -525,3 +525,35 @@ def test_front_cost_reads_the_loads_latencies_and_scaling():
     table = scaling_report([one, two]).splitlines()
     assert table[2].startswith("| replicas-1 | 5000 | 1.00 | 50 | 0.25 |")
     assert table[3].startswith("| replicas-2 | 9000 | 1.80 | 50 | 0.45 |")
+
+
+def test_own_threads_count_python_threads_but_not_an_actor_processs_main_thread():
+    """The idle split (benchmarks/front_cost.py): a Python thread's CPU is pdcluster's own, an
+    actor process's main thread (Ray's task loop) is not, unless it is the serving process."""
+    import os
+    import threading
+    import time
+
+    from pdcluster.benchmarks.front_cost import _own_threads_cpu_s
+
+    def burn(cpu_s: float) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < cpu_s:
+            pass
+
+    pid, not_root = os.getpid(), -1
+    before = _own_threads_cpu_s(pid, not_root)
+    burn(0.3)  # on the main thread
+    assert _own_threads_cpu_s(pid, not_root) - before < 0.1
+    assert _own_threads_cpu_s(pid, pid) >= 0.3  # the serving process: its main thread counts
+
+    readings: list[float] = []
+
+    def burn_and_read() -> None:  # read while it runs: a finished thread leaves /proc
+        burn(0.3)
+        readings.append(_own_threads_cpu_s(pid, not_root) - before)
+
+    thread = threading.Thread(target=burn_and_read)
+    thread.start()
+    thread.join(60)
+    assert readings[0] >= 0.25
