@@ -31,6 +31,20 @@ class SpecDecodingStats:
         """Accepted draft tokens per draft token verified."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
+    def since(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
+        """The counts between `earlier` (a snapshot of these) and now."""
+        return SpecDecodingStats(
+            self.num_drafts - earlier.num_drafts,
+            self.num_draft_tokens - earlier.num_draft_tokens,
+            self.num_accepted_tokens - earlier.num_accepted_tokens,
+            [
+                now - then
+                for now, then in zip(
+                    self.num_accepted_tokens_per_pos, earlier.num_accepted_tokens_per_pos
+                )
+            ],
+        )
+
     def snapshot(self) -> SpecDecodingStats:
         return SpecDecodingStats(
             self.num_drafts,
