@@ -5,8 +5,9 @@ Pydantic models at the cluster boundary (cluster/config.py) convert into these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, get_args
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 # fcfs: waiting requests in arrival order; priority: by (priority, arrival), and a preemption
@@ -83,6 +84,78 @@ class SchedulerConfig:
             )
 
 
+# ngram: prompt lookup (engine/spec_decode/ngram_proposer.py); draft_model: reserved (not built)
+SpeculativeMethod = Literal["ngram", "draft_model"]
+SPECULATIVE_METHODS = get_args(SpeculativeMethod)
+DEFAULT_PROMPT_LOOKUP_MIN = 1
+DEFAULT_PROMPT_LOOKUP_MAX = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `speculative_config` dict form: each step a running
+    request may verify `num_speculative_tokens` proposed tokens in one forward pass."""
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int  # K: draft tokens proposed per step at most
+    # ngram: the longest suffix n-gram, n from prompt_lookup_max down to prompt_lookup_min,
+    # found earlier in prompt + output proposes the tokens that followed it.
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    # No speculation while more than this many requests run (None: at every batch size).
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, settings: Mapping[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """The config of vLLM's dict form; ValueError naming an unknown key or a bad value."""
+        if isinstance(settings, SpeculativeConfig):
+            return settings
+        if not isinstance(settings, Mapping):
+            raise ValueError(f"speculative_config must be a dict, got {type(settings).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}"
+            )
+        missing = [k for k in ("method", "num_speculative_tokens") if k not in settings]
+        if missing:
+            raise ValueError(f"speculative_config: {missing[0]!r} is required")
+        return cls(**settings)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        if self.method == "draft_model":
+            raise ValueError(
+                "speculative_config: method 'draft_model' is not supported yet; use 'ngram'"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(
+                    f"speculative_config: {name} must be an integer >= 1, got {value!r}"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not "
+                f"exceed prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        limit = self.disable_by_batch_size
+        if limit is not None and (not _is_int(limit) or limit < 1):
+            raise ValueError(
+                f"speculative_config: disable_by_batch_size must be an integer >= 1 or None, "
+                f"got {limit!r}"
+            )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # Hugging Face style checkpoint folder
@@ -95,6 +168,7 @@ class EngineConfig:
     sim_time_scale: float | None = None  # a sim: model's time scale; None: its profile's
     tensor_parallel_size: int = DEFAULT_TENSOR_PARALLEL_SIZE
     num_threads: int | None = None  # torch intra-op threads of this process; None: as started
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:

@@ -69,7 +69,9 @@ class EngineCore:
             "KV cache: %d blocks x %d tokens, %.3f GiB on %s",
             cache.num_blocks, cache.block_size, self.runner.kv_cache.nbytes / GiB, self.device,
         )  # fmt: skip
-        self.scheduler = Scheduler(config.scheduler, config.cache, kv_connector, ec_connector)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, kv_connector, ec_connector, config.speculative
+        )
         self.kv_connector = kv_connector
         self.ec_connector = ec_connector
         if kv_connector is not None:
@@ -84,6 +86,10 @@ class EngineCore:
         """The real runner, or a simulated one for a `sim:` folder; sets `model_info`,
         `grammars` and `runner_cache` (the cache config with its block count fixed)."""
         if self.sim_profile is not None:
+            if config.speculative is not None:
+                raise ValueError(
+                    "speculative_config: a simulated model (sim:) cannot verify drafts"
+                )
             self.model_info = read_model_info(config.model)
             self.runner_cache = sim_cache(config.cache, self.sim_profile)
             self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
@@ -216,9 +222,9 @@ class EngineCore:
 
     def stats(self) -> dict[str, object]:
         """The plain counters of the scheduler, runner and workers, the KV cache's size, and
-        the connectors' typed parts: what the KV connector reports (`KVConnectorStats`, its
-        pending counts replacing the scheduler's) and the EC connector's `ECStats` under
-        `ec` (where this core has them)."""
+        the typed parts: what the KV connector reports (`KVConnectorStats`, its pending counts
+        replacing the scheduler's), the EC connector's `ECStats` under `ec` and the drafts'
+        `SpecDecodingStats` under `spec_decode` (where this core has them)."""
         stats = {**self.scheduler.stats(), "kv_cache_bytes": self.runner.kv_cache.nbytes}
         for part in (self.runner, self.tp):
             stats.update(getattr(part, "stats", dict)())
@@ -226,6 +232,8 @@ class EngineCore:
             stats.update(self.kv_connector.stats().reported())
         if self.ec_connector is not None:
             stats["ec"] = self.ec_connector.stats()
+        if self.scheduler.speculation is not None:
+            stats["spec_decode"] = self.scheduler.speculation.stats.snapshot()
         return stats
 
     # ---- one step --------------------------------------------------------------------
@@ -275,7 +283,7 @@ class EngineCore:
             detok = self._detokenizers.get(out.request_id)
             if detok is None:
                 continue
-            out.new_text, stop_str = detok.update(out.new_token_ids, final=out.finished)
+            out.new_text, stop_str = _detokenize(detok, out)
             if stop_str is not None and not out.finished:
                 self.scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_STOPPED)
                 out.finish_reason, out.stop_reason = "stop", stop_str
@@ -290,3 +298,32 @@ class EngineCore:
         for connector in (self.kv_connector, self.ec_connector):
             if connector is not None:
                 connector.shutdown()
+
+
+def _detokenize(detok: IncrementalDetokenizer, out: EngineCoreOutput) -> tuple[str, str | None]:
+    """`out`'s text delta and the stop string it hit, if any. Several new tokens (verified
+    drafts) with stop strings are fed one by one, as steps of one token would feed them, and
+    `out` is cut after the token that completes a stop string."""
+    token_ids = out.new_token_ids
+    if len(token_ids) < 2 or not detok.stop:
+        return detok.update(token_ids, final=out.finished)
+    text = ""
+    for j, token_id in enumerate(token_ids):
+        delta, stop_str = detok.update((token_id,), final=out.finished and j == len(token_ids) - 1)
+        text += delta
+        if stop_str is not None:
+            if j + 1 < len(token_ids):
+                _truncate(out, j + 1)
+                if out.finished:  # by a token after the stop string: the stop string ends it
+                    out.finish_reason, out.stop_reason = "stop", stop_str
+            return text, stop_str
+    return text, None
+
+
+def _truncate(out: EngineCoreOutput, num_tokens: int) -> None:
+    """Keep the first `num_tokens` new tokens of `out` (and their logprobs)."""
+    out.new_token_ids = out.new_token_ids[:num_tokens]
+    if out.new_logprobs is not None:
+        out.new_logprobs = out.new_logprobs[:num_tokens]
+    if out.new_top_logprobs is not None:
+        out.new_top_logprobs = out.new_top_logprobs[:num_tokens]

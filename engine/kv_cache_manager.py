@@ -187,6 +187,18 @@ class KVCacheManager:
         self.block_pool.cache_full_blocks(blocks[num_cached:num_full], hashes[num_cached:num_full])
         self.num_cached_blocks[rid] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Release the request's blocks past those its first num_tokens need (the slots of
+        rejected draft tokens), tail first; returns how many. None of them is published."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        num_kept = -(-num_tokens // self.block_size)
+        if not blocks or len(blocks) <= num_kept:
+            return 0
+        dropped = blocks[num_kept:]
+        del blocks[num_kept:]
+        self.block_pool.free_blocks(reversed(dropped))
+        return len(dropped)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, None)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
 
 from pdcluster.connectors.base import KVConnectorBase
-from pdcluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdcluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from pdcluster.engine.core import EngineCore
 from pdcluster.engine.outputs import EngineCoreOutput, PromptLogprobs, TopLogprobs
 from pdcluster.engine.presets import resolve_model_dir
@@ -52,8 +52,13 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-def engine_config_from_args(model: str, **engine_args: Any) -> EngineConfig:
-    """Build an EngineConfig from flat vLLM-style keyword arguments."""
+def engine_config_from_args(
+    model: str,
+    speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
+    **engine_args: Any,
+) -> EngineConfig:
+    """Build an EngineConfig from flat vLLM-style keyword arguments; `speculative_config` in
+    vLLM's dict form (e.g. {"method": "ngram", "num_speculative_tokens": 4})."""
     groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "engine": {}}
     owners = {
         "cache": CacheConfig.__dataclass_fields__,
@@ -77,6 +82,9 @@ def engine_config_from_args(model: str, **engine_args: Any) -> EngineConfig:
         model=model,
         cache=CacheConfig(**groups["cache"]),
         scheduler=SchedulerConfig(**groups["scheduler"]),
+        speculative=None
+        if speculative_config is None
+        else SpeculativeConfig.from_dict(speculative_config),
         **groups["engine"],
     )
 

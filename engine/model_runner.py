@@ -1,5 +1,9 @@
 """Runs one step's batch through the model: encoder inputs, one forward, sampling.
 
+A decode request scheduled with draft tokens (`scheduled_spec_decode_tokens`) is a chunk of
+its last token and the drafts; it samples at every position of the chunk, and emits the
+tokens `engine.spec_decode.verify` keeps.
+
 The runner keeps its own per-request state, built from the scheduler's typed messages;
 it never reads the scheduler's queues or mutates a `Request`.
 """
@@ -22,13 +26,13 @@ from pdcluster.engine.outputs import (
     PromptLogprobs,
     RunnerOutput,
     SchedulerOutput,
-    TopLogprobs,
 )
 from pdcluster.engine.penalties import LogitBias, LogitsAdjustments, TokenCounts
 from pdcluster.engine.precision import Precision
 from pdcluster.engine.request import MultiModalFeature
 from pdcluster.engine.sampler import make_generator, position_seed, prompt_logprobs, sample
 from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.spec_decode.verify import num_accepted
 from pdcluster.engine.structured_output import GrammarCompiler, advance
 from pdcluster.engine.token_masks import TokenMasks
 from pdcluster.engine.tp_worker import StepInputs, TensorParallelGroup
@@ -102,10 +106,14 @@ class ModelRunner:
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             new_block_ids = cached.new_block_ids[i]
+            num_trimmed = cached.num_trimmed_blocks[i]
             if cached.resumed_from_preemption[i]:
                 state.block_ids = list(new_block_ids or [])
-            elif new_block_ids:
-                state.block_ids.extend(new_block_ids)
+            else:
+                if num_trimmed:
+                    del state.block_ids[-num_trimmed:]
+                if new_block_ids:
+                    state.block_ids.extend(new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens[i]
 
     def _add_new(self, new: NewRequestData) -> None:
@@ -151,9 +159,13 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
+        drafts = so.scheduled_spec_decode_tokens
         input_ids: list[int] = []
         for s, n in zip(states, num_scheduled):
-            input_ids.extend(s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n])
+            draft = drafts.get(s.req_id, ())
+            num_known = n - len(draft)  # the drafts follow the request's known tokens
+            input_ids.extend(s.token_ids[s.num_computed_tokens : s.num_computed_tokens + num_known])
+            input_ids.extend(draft)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [T]
         if self.tp is not None:
             tables = [s.block_ids for s in states]
@@ -164,7 +176,7 @@ class ModelRunner:
             self._merge_encoder_outputs(embeds, states, num_scheduled)
         hidden = self.model.forward(embeds, meta.positions, self.kv_cache, meta)  # [T, hidden]
         prompt_lps = self._prompt_logprobs(req_ids, states, num_scheduled, hidden)
-        out = self._sample(req_ids, states, num_scheduled, hidden[meta.logits_indices])
+        out = self._sample(req_ids, states, num_scheduled, hidden, meta.logits_indices, drafts)
         out.prompt_logprobs = prompt_lps
         return out
 
@@ -200,58 +212,98 @@ class ModelRunner:
         req_ids: list[str],
         states: list[CachedRequestState],
         num_scheduled: list[int],
-        last_hidden: torch.Tensor,  # [num_reqs, hidden]: each request's last new token
+        hidden: torch.Tensor,  # [T, hidden]: every scheduled token, request after request
+        last_rows: torch.Tensor,  # [num_reqs] long: each request's last row in `hidden`
+        drafts: dict[str, list[int]],  # req_id -> draft tokens it verifies
     ) -> RunnerOutput:
         # Only requests whose known tokens are all computed after this step sample a token.
-        rows = [
+        picked = [
             i
             for i, (s, n) in enumerate(zip(states, num_scheduled))
             if s.num_computed_tokens + n >= len(s.token_ids)
         ]
-        sampled: list[list[int]] = [[] for _ in req_ids]
-        logprobs: list[list[float]] = [[] for _ in req_ids]
-        grammar_done: set[str] = set()
-        top_logprobs: list[list[TopLogprobs]] = [[] for _ in req_ids]
-        if rows:
-            logits = self.model.compute_logits(last_hidden[rows])  # [len(rows), vocab]
-            picked = [states[i] for i in rows]
-            for s in picked:
-                if s.generator is not None:  # seeded: each position has its own draw
-                    s.generator.manual_seed(position_seed(s.sampling_params.seed, len(s.token_ids)))
-            out = sample(
-                logits,
-                [s.sampling_params for s in picked],
-                [s.generator for s in picked],
-                self._adjustments(picked),
-                self.grammars.bitmask([s.grammar for s in picked]),
-            )
-            for i, tok, lp, top in zip(rows, out.token_ids, out.logprobs, out.top_logprobs):
-                states[i].token_ids.append(tok)
-                sampled[i] = [tok]
-                logprobs[i] = [lp]
-                top_logprobs[i] = [top] if top is not None else []
-                grammar = states[i].grammar
-                if grammar is not None and advance(grammar, tok):
-                    grammar_done.add(req_ids[i])
-            self.token_counts.append([s.req_id for s in picked], out.token_ids)
-        return RunnerOutput(
+        out = RunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=logprobs,
-            grammar_done_req_ids=grammar_done,
-            top_logprobs=top_logprobs,
+            sampled_token_ids=[[] for _ in req_ids],
+            logprobs=[[] for _ in req_ids],
+            top_logprobs=[[] for _ in req_ids],
         )
+        if picked:
+            self._sample_rows([(i, states[i], drafts.get(req_ids[i], [])) for i in picked],
+                hidden, last_rows.tolist(), out)  # fmt: skip
+        return out
 
-    def _adjustments(self, picked: list[CachedRequestState]) -> LogitsAdjustments | None:
-        """Logit bias, token masks and penalties of the sampling rows; None when no row has
-        any."""
-        params = [s.sampling_params for s in picked]
+    def _sample_rows(
+        self,
+        picked: list[tuple[int, CachedRequestState, list[int]]],  # (batch index, state, drafts)
+        hidden: torch.Tensor,  # [T, hidden]
+        last_rows: list[int],  # per batch index: its last row in `hidden`
+        out: RunnerOutput,  # filled at the picked indices
+    ) -> None:
+        """Sample one row per picked request, or K + 1 for one verifying K drafts (its last
+        K + 1 positions), in one `sample` call; append what each emits."""
+        row_index: list[int] = []  # per sampled row: its row in `hidden`
+        rows: list[tuple[CachedRequestState, list[int]]] = []  # and (state, drafts before it)
+        for i, s, draft in picked:
+            for j in range(len(draft) + 1):
+                row_index.append(last_rows[i] - len(draft) + j)
+                rows.append((s, draft[:j]))
+        logits = self.model.compute_logits(hidden[row_index])  # [num_rows, vocab]
+        sampler_out = sample(
+            logits,
+            [s.sampling_params for s, _ in rows],
+            self._generators(rows),
+            self._adjustments(rows),
+            self.grammars.bitmask([s.grammar for s, _ in rows]),
+        )
+        token_ids = sampler_out.token_ids
+        counted_ids: list[str] = []  # per emitted token: its request, for the penalties
+        counted_tokens: list[int] = []
+        start = 0  # this request's first sampled row
+        for i, s, draft in picked:
+            targets = token_ids[start : start + len(draft) + 1]
+            end = start + num_accepted(draft, targets) + 1  # the accepted drafts, one more
+            tokens = token_ids[start:end]
+            s.token_ids.extend(tokens)
+            out.sampled_token_ids[i] = tokens
+            out.logprobs[i] = sampler_out.logprobs[start:end]
+            out.top_logprobs[i] = [t for t in sampler_out.top_logprobs[start:end] if t is not None]
+            if s.grammar is not None and advance(s.grammar, tokens[-1]):  # no drafts: 1 token
+                out.grammar_done_req_ids.add(s.req_id)
+            counted_ids += [s.req_id] * len(tokens)
+            counted_tokens += tokens
+            start += len(draft) + 1
+        self.token_counts.append(counted_ids, counted_tokens)
+
+    def _generators(
+        self, rows: list[tuple[CachedRequestState, list[int]]]
+    ) -> list[torch.Generator | None]:
+        """Each sampled row's generator, seeded for its position: a seeded request draws
+        each token from its position's seed (`position_seed`), drafts or not."""
+        generators = []
+        for s, before in rows:
+            generator = s.generator
+            if generator is not None:
+                if before:  # a later row of the same request: a draw of its own
+                    generator = torch.Generator(device=self.device)
+                position = len(s.token_ids) + len(before)
+                generator.manual_seed(position_seed(s.sampling_params.seed, position))
+            generators.append(generator)
+        return generators
+
+    def _adjustments(
+        self, rows: list[tuple[CachedRequestState, list[int]]]
+    ) -> LogitsAdjustments | None:
+        """Logit bias, token masks and penalties of the sampled rows, each as if the drafts
+        before it were generated; None when no row has any."""
+        params = [s.sampling_params for s, _ in rows]
+        drafted = [before for _, before in rows]
         bias = LogitBias.build(params, self.device)
-        penalties = self.token_counts.penalties([s.req_id for s in picked], params)
+        penalties = self.token_counts.penalties([s.req_id for s, _ in rows], params, drafted)
         masks = None
         if any(p.allowed_token_ids is not None or p.bad_words_token_ids for p in params):
-            outputs = [s.output_token_ids for s in picked]
+            outputs = [s.output_token_ids + before for s, before in rows]
             masks = TokenMasks.build(params, outputs, self.info.vocab_size, self.device)
         if bias is None and penalties is None and masks is None:
             return None

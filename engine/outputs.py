@@ -60,6 +60,9 @@ class CachedRequestData:
     # Blocks appended this step; the whole block table when resumed from preemption.
     new_block_ids: list[list[int] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Blocks dropped from the end of the table since the request last ran (the slots of
+    # rejected draft tokens), before new_block_ids are appended; 0 when resumed.
+    num_trimmed_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -73,6 +76,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # finished since the last step: the runner drops their state
     free_encoder_mm_hashes: list[str]  # encoder outputs the runner may drop
     preempted_req_ids: set[str] = field(default_factory=set)
+    # req_id -> draft tokens verified this step, after the request's last token; a request
+    # here has 1 + len(drafts) scheduled tokens and samples at every one of them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     kv_connector_metadata: Any = None
     ec_connector_metadata: Any = None
 
@@ -92,7 +98,8 @@ class KVConnectorOutput:
 class RunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     req_id_to_index: dict[str, int] = field(default_factory=dict)
-    # One list per request: the sampled token, or empty for a partial (chunked) prefill.
+    # One list per request: the sampled token (with drafts: the accepted ones and the
+    # token after them), or empty for a partial (chunked) prefill.
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] | None = None  # index-aligned with sampled_token_ids
     grammar_done_req_ids: set[str] = field(default_factory=set)  # grammar complete: stop

@@ -139,15 +139,18 @@ class TokenCounts:
         if not self._row_of:
             return
         pairs = [(self._row_of[r], t) for r, t in zip(req_ids, token_ids) if r in self._row_of]
-        if not pairs:
-            return
-        index = torch.tensor(pairs, dtype=torch.long, device=self.device)  # [n, 2]
-        ones = torch.ones(len(pairs), dtype=torch.int32, device=self.device)
-        self.output_counts.index_put_((index[:, 0], index[:, 1]), ones, accumulate=True)
+        _add_ones(self.output_counts, pairs)
 
-    def penalties(self, req_ids: list[str], params: list[SamplingParams]) -> Penalties | None:
+    def penalties(
+        self,
+        req_ids: list[str],
+        params: list[SamplingParams],
+        drafted: Sequence[Sequence[int]] | None = None,
+    ) -> Penalties | None:
         """Penalties of a batch whose row i holds request `req_ids[i]` with `params[i]`,
-        for the tracked rows; None when none is tracked."""
+        for the tracked rows; None when none is tracked. `drafted[i]`: tokens row i counts
+        as generated beyond those recorded (the draft tokens before a verified position).
+        A request may hold several rows."""
         if not self._row_of:
             return None
         rows = [i for i, r in enumerate(req_ids) if r in self._row_of]
@@ -162,6 +165,9 @@ class TokenCounts:
         penalties = Penalties(
             torch.tensor(rows, dtype=torch.long, device=self.device), self.output_counts[index]
         )
+        if drafted is not None:
+            pairs = [(k, t) for k, i in enumerate(rows) for t in drafted[i]]
+            _add_ones(penalties.output_counts, pairs)
         if any(p.repetition_penalty != 1 for p in params):
             penalties.prompt_mask = self.prompt_mask[index]
             penalties.repetition = column([p.repetition_penalty for p in params])
@@ -179,3 +185,12 @@ class TokenCounts:
             self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(grow)])
             self._free_rows = list(range(new - 1, old - 1, -1))
         return self._free_rows.pop()
+
+
+def _add_ones(counts: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Add one to `counts[row, token_id]` (counts: [rows, vocab] int32) for each pair."""
+    if not pairs:
+        return
+    index = torch.tensor(pairs, dtype=torch.long, device=counts.device)  # [n, 2]
+    ones = torch.ones(len(pairs), dtype=counts.dtype, device=counts.device)
+    counts.index_put_((index[:, 0], index[:, 1]), ones, accumulate=True)

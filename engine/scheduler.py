@@ -14,7 +14,10 @@ start, and may land, before the step's batch is chosen. With a KV connector, a `
 (engine.remote_kv) keeps the remote-KV state: parked loads, aborted loads, delayed frees.
 
 Each step a request's `num_computed_tokens` advances by its scheduled tokens when it is
-scheduled; `update_from_output` appends sampled tokens and checks stop conditions.
+scheduled; `update_from_output` appends sampled tokens and checks stop conditions. With
+speculative decoding (engine.spec_decode.speculation), a decode request may be scheduled with
+draft tokens (`scheduled_spec_decode_tokens`); after verification it steps back over the
+rejected ones and gives back their blocks.
 
 Prefix blocks are published when scheduled: the full blocks a request's scheduled tokens
 cover enter the prefix cache at once, so a request admitted later in the same step hits them.
@@ -36,7 +39,7 @@ import time
 from collections.abc import Iterable
 
 from pdcluster.connectors.base import ECConnectorBase, KVConnectorBase, KVTransferParams
-from pdcluster.engine.config import CacheConfig, SchedulerConfig
+from pdcluster.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pdcluster.engine.encoder_cache_manager import EncoderCacheManager
 from pdcluster.engine.kv_cache_manager import KVCacheManager
 from pdcluster.engine.outputs import (
@@ -62,6 +65,7 @@ from pdcluster.engine.scheduler_step import (
     plan_encoder_inputs,
 )
 from pdcluster.engine.scheduler_waiting import WaitingAdmission
+from pdcluster.engine.spec_decode.speculation import Speculation
 
 
 class Scheduler:
@@ -71,6 +75,7 @@ class Scheduler:
         cache_config: CacheConfig,
         kv_connector: KVConnectorBase | None = None,
         ec_connector: ECConnectorBase | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -82,6 +87,11 @@ class Scheduler:
         )
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self._enc = (self.encoder_cache_manager, ec_connector)
+        self.speculation = (
+            None
+            if speculative_config is None
+            else Speculation(speculative_config, self.kv_cache_manager, self.max_model_len)
+        )
 
         self.policy = scheduler_config.scheduling_policy
         self.requests: dict[str, Request] = {}
@@ -207,7 +217,11 @@ class Scheduler:
                 num_new = enc.num_new
                 if num_new <= 0:
                     continue
-            new_blocks = allocate(request, num_new)
+            drafts = self._draft_tokens(request, budget)
+            new_blocks = allocate(request, num_new + len(drafts))
+            if new_blocks is None and drafts:  # no room for the drafts: decode without them
+                drafts = []
+                new_blocks = allocate(request, num_new)
             if new_blocks is None:
                 new_blocks = self._allocate_or_preempt(request, num_new, st)
                 if new_blocks is None:  # the request itself was preempted
@@ -216,7 +230,11 @@ class Scheduler:
                 commit_encoder_inputs(request, enc, st, *self._enc)
             rid = request.request_id
             new_block_ids = [b.block_id for b in new_blocks] if new_blocks else None
-            st.add_cached(rid, False, new_block_ids, num_computed)
+            num_trimmed = self.speculation.take_num_trimmed_blocks(rid) if self.speculation else 0
+            st.add_cached(rid, False, new_block_ids, num_computed, num_trimmed)
+            if drafts:
+                st.spec_decode_tokens[rid] = drafts
+                num_new += len(drafts)
             num_scheduled[rid] = num_new
             request.num_computed_tokens = num_computed + num_new
             if block_size and (num_computed + num_new) // block_size != num_computed // block_size:
@@ -224,6 +242,12 @@ class Scheduler:
             budget -= num_new
         st.total_num_scheduled_tokens += st.token_budget - budget
         st.token_budget = budget
+
+    def _draft_tokens(self, request: Request, budget: int) -> list[int]:
+        """Drafts to verify with a decode request's next token (none mid-prefill)."""
+        if self.speculation is None or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        return self.speculation.draft_tokens(request, len(self.running), budget - 1)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, st: StepState) -> list | None:
         """Blocks for num_new more tokens of a running request, preempting from the tail of
@@ -246,6 +270,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        if self.speculation is not None:  # its whole block table is resent
+            self.speculation.take_num_trimmed_blocks(request.request_id)
         self.waiting.prepend_request(request)
         st.preempted_req_ids.add(request.request_id)
 
@@ -259,6 +285,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
             preempted_req_ids=st.preempted_req_ids,
+            scheduled_spec_decode_tokens=st.spec_decode_tokens,
         )
         self.finished_req_ids = set()
         return self._attach_connector_meta(out)
@@ -284,6 +311,7 @@ class Scheduler:
         num_stopped = 0
         if self.remote_kv is not None:
             self.remote_kv.publish_loaded_blocks(scheduler_output)
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for rid in scheduler_output.num_scheduled_tokens:
             request = requests.get(rid)
             if request is None or request.status != running_status:
@@ -296,6 +324,9 @@ class Scheduler:
                 continue  # partial prefill: no token
             if not request.output_token_ids:
                 self.num_prompt_tokens += request.num_prompt_tokens
+            drafts = spec_tokens.get(rid)
+            if drafts:
+                self.speculation.verified(request, len(drafts), len(sampled[i]))
             output = append_tokens(
                 request,
                 sampled[i],
@@ -308,6 +339,8 @@ class Scheduler:
             if output.finished:
                 num_stopped += 1
                 output.kv_transfer_params = self._finish(request)
+            elif drafts:
+                self.speculation.give_back_slots(request)
             outputs.append(output)
         if num_stopped:
             self.running[:] = [r for r in self.running if r.status == running_status]
@@ -341,6 +374,8 @@ class Scheduler:
         del self.requests[rid]
         if self.remote_kv is not None:
             self.remote_kv.forget(rid)
+        if self.speculation is not None:
+            self.speculation.take_num_trimmed_blocks(rid)
 
     # ---- aborts and external stops ----------------------------------------------------
     def finish_requests(

@@ -69,6 +69,7 @@ class StepState:
         "cached_reqs",
         "encoder_inputs",
         "preempted_req_ids",
+        "spec_decode_tokens",
         "step_skipped",
     )
 
@@ -81,10 +82,16 @@ class StepState:
         self.cached_reqs = CachedRequestData()
         self.encoder_inputs: dict[str, list[int]] = {}
         self.preempted_req_ids: set[str] = set()
+        self.spec_decode_tokens: dict[str, list[int]] = {}
         self.step_skipped: list[Request] = []  # passed over this step, order kept
 
     def add_cached(
-        self, req_id: str, resumed: bool, new_block_ids: list[int] | None, num_computed: int
+        self,
+        req_id: str,
+        resumed: bool,
+        new_block_ids: list[int] | None,
+        num_computed: int,
+        num_trimmed_blocks: int = 0,
     ) -> None:
         """A request the runner holds, scheduled again (see CachedRequestData)."""
         cached = self.cached_reqs
@@ -92,6 +99,7 @@ class StepState:
         cached.resumed_from_preemption.append(resumed)
         cached.new_block_ids.append(new_block_ids)
         cached.num_computed_tokens.append(num_computed)
+        cached.num_trimmed_blocks.append(num_trimmed_blocks)
 
     def record(self, request: Request, num_new: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_new
