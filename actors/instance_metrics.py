@@ -48,6 +48,12 @@ COUNTERS = (
            lambda s: s.scheduler.prefix_cache_hits),
     Series("vllm:num_preemptions", "Preemptions by the scheduler",
            lambda s: s.scheduler.num_preemptions),
+    Series("vllm:spec_decode_num_drafts", "Drafts verified (a request's draft in one step)",
+           lambda s: s.spec_decode.num_drafts if s.spec_decode else 0),
+    Series("vllm:spec_decode_num_draft_tokens", "Draft tokens verified",
+           lambda s: s.spec_decode.num_draft_tokens if s.spec_decode else 0),
+    Series("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+           lambda s: s.spec_decode.num_accepted_tokens if s.spec_decode else 0),
 )  # fmt: skip
 # Counters only instances export: the gateway counts tokens per request, once.
 TOKEN_COUNTERS = (

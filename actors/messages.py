@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from pdcluster.connectors.stats import ECStats, KVPoolUse, KVTransferStats
 from pdcluster.engine.outputs import EngineCoreOutput
+from pdcluster.engine.spec_decode.metrics import SpecDecodingStats
 from pdcluster.routing.role import Role
 
 
@@ -108,6 +109,7 @@ class InstanceStats:
     ec: ECStats = field(default_factory=ECStats)
     tensor_parallel: TensorParallelStats = field(default_factory=TensorParallelStats)
     sim: SimStats | None = None  # a simulated engine's
+    spec_decode: SpecDecodingStats | None = None  # an engine that speculates: its drafts
 
     @classmethod
     def unreachable(cls, instance_id: str, role: Role) -> InstanceStats:
@@ -131,8 +133,8 @@ class InstanceStats:
     def from_engine(cls, engine: Mapping[str, Any], **instance: Any) -> InstanceStats:
         """The snapshot of an instance (`instance`: its own fields) whose engine reported
         `engine` (`EngineCore.stats()` / `EncoderCore.stats()`: plain counters, and the
-        connectors' typed parts under the names of their fields here)."""
-        parts = {name: engine[name] for name in _CONNECTOR_PARTS if name in engine}
+        typed parts under the names of their fields here)."""
+        parts = {name: engine[name] for name in _TYPED_PARTS if name in engine}
         tensor_parallel = TensorParallelStats(
             size=engine.get("tensor_parallel_size", 1),
             worker_pids=tuple(engine.get("tp_worker_pids", ())),
@@ -148,9 +150,9 @@ class InstanceStats:
         )
 
 
-# Fields an engine reports typed, under their own names (the connectors' parts); one it
-# does not report keeps its default (zero).
-_CONNECTOR_PARTS = ("kv_transfer", "kv_pool", "ec")
+# Fields an engine reports typed, under their own names (the connectors' parts, the drafts'
+# counters); one it does not report keeps its default (zero, or None).
+_TYPED_PARTS = ("kv_transfer", "kv_pool", "ec", "spec_decode")
 
 
 _Part = TypeVar("_Part")

@@ -32,6 +32,7 @@ from pdcluster.engine.config import (
     Quantization,
     SchedulerConfig,
     SchedulingPolicy,
+    SpeculativeConfig,
     kv_sizing_fields_set,
 )
 from pdcluster.routing.policy import DEFAULT_MIGRATION_LIMIT
@@ -111,6 +112,19 @@ class EngineSettings(StrictSection):
         None, gt=0, description="a sim: model runs every modeled duration this many times "
         "slower (unset: the profile's time_scale); instance stats count overrun steps",
     )  # fmt: skip
+    speculative_config: dict[str, Any] | None = Field(
+        None, description="speculative decoding, as vLLM spells it: e.g. {\"method\": "
+        "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5} (also "
+        "prompt_lookup_min, disable_by_batch_size); greedy outputs are unchanged. Set on the "
+        "instances that decode (D, mixed); unset: none",
+    )  # fmt: skip
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _check_speculative(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            SpeculativeConfig.from_dict(value)  # ValueError: pydantic reports it
+        return value
 
     @model_validator(mode="after")
     def _check_kv_sizing(self) -> EngineSettings:
@@ -331,6 +345,11 @@ class ClusterConfig(StrictSection):
             sim_time_scale=s.sim_time_scale,
             tensor_parallel_size=s.tensor_parallel_size,
             num_threads=s.num_threads,
+            speculative=(
+                None
+                if s.speculative_config is None
+                else SpeculativeConfig.from_dict(s.speculative_config)
+            ),
         )
 
     def priority_scheduling(self) -> bool:

@@ -4,12 +4,26 @@ so that every default stays defined once, in the config."""
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdcluster.routing.role import Role
 
 if TYPE_CHECKING:
     from pdcluster.cluster.config import ClusterConfig
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A dict-valued flag's value: a JSON object, as vLLM's flags take it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
 
 # serve flag -> the role whose instance count it sets
 _ROLE_FLAGS = {
@@ -20,7 +34,7 @@ _ROLE_FLAGS = {
 }
 # serve flag -> (location in the config mapping, argparse type); unset flags keep the
 # YAML's (or the model's default) value, so every default stays defined once, in the config.
-_SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
+_SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {
     "model": (("model",), str),
     **{flag: ((role.value, "count"), int) for flag, role in _ROLE_FLAGS.items()},
     "host": (("gateway", "host"), str),
@@ -46,6 +60,7 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], type]] = {
     "sim_time_scale": (("engine", "sim_time_scale"), float),
     "tensor_parallel_size": (("engine", "tensor_parallel_size"), int),
     "num_threads": (("engine", "num_threads"), int),
+    "speculative_config": (("engine", "speculative_config"), _json_object),
     "migration_limit": (("router", "migration_limit"), int),
     "kv_pool_size": (("connector", "kv_pool_size_gib"), float),
 }
@@ -57,6 +72,8 @@ SERVE_EXAMPLES = """examples:
   pdcluster serve --config my-topology.yaml --num-blocks 2048
   pdcluster serve --config my-topology.yaml --kv-cache-memory-fraction 0.9   # KV by memory
   pdcluster serve --model smollm2-135m --tensor-parallel-size 2   # each instance on 2 ranks
+  pdcluster serve --model smollm2-135m \\
+      --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
   pdcluster serve --address 10.0.0.5:6379 --model /models/m --mixed 2   # an existing Ray
   pdcluster serve --model /models/Qwen2.5-0.5B-Instruct --enable-auto-tool-choice \\
       --tool-call-parser hermes                   # tool_choice "auto" read as Hermes calls

@@ -97,6 +97,19 @@ def test_migration_limit_flag_and_yaml_reach_the_router(tmp_path):
         serve_config("--migration-limit", "-1")
 
 
+def test_speculative_config_flag_is_vllms_json_object(capsys):
+    flag = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    config = serve_config("--decodes", "1", "--prefills", "1", "--speculative-config", flag)
+    speculative = config.engine_config("decode", "/models/m").speculative
+    assert (speculative.method, speculative.num_speculative_tokens) == ("ngram", 3)
+    assert speculative.prompt_lookup_max == 4
+    with pytest.raises(SystemExit):
+        serve_config("--speculative-config", "{method: ngram}")
+    assert "--speculative-config: not JSON" in capsys.readouterr().err
+    code, err = run_main(capsys, "serve", "--speculative-config", '{"method": "eagle"}')
+    assert code == 2 and "engine.speculative_config" in err and "'num_speculative_tokens'" in err
+
+
 # ---- errors are one line, exit 2 -----------------------------------------------------------
 
 

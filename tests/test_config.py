@@ -162,6 +162,18 @@ def test_num_threads_is_unset_by_default_and_set_per_role():
         make_config(engine={"num_threads": 0})
 
 
+def test_speculative_config_is_set_per_role_and_checked_at_load():
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 16}
+    config = make_config(decode={"count": 1, "engine": {"speculative_config": ngram}})
+    assert config.engine_config("prefill", "/models/m").speculative is None
+    decode = config.engine_config("decode", "/models/m").speculative
+    assert (decode.num_speculative_tokens, decode.disable_by_batch_size) == (4, 16)
+    with pytest.raises(ValueError, match="speculative_config.*prompt_lookup_min"):
+        make_config(engine={"speculative_config": {**ngram, "prompt_lookup_min": 0}})
+    with pytest.raises(ValueError, match="unknown key.*'draft_tokens'"):
+        make_config(engine={"speculative_config": {**ngram, "draft_tokens": 2}})
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_kv_load_failure_policy_reaches_the_scheduler(policy):
     config = make_config(connector={"kv_load_failure_policy": policy})

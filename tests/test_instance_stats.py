@@ -16,7 +16,7 @@ from pdcluster.connectors.ray_ec import RayECConnector
 from pdcluster.connectors.ray_kv import RayKVConnector
 from pdcluster.connectors.ray_kv_pool import RayKVPoolConnector
 from pdcluster.connectors.stats import KVConnectorStats, KVPoolUse
-from pdcluster.engine import LLM
+from pdcluster.engine import LLM, SamplingParams
 
 SIM_ENGINE = {"block_size": 4, "num_blocks": 64, "max_model_len": 128}
 
@@ -135,6 +135,32 @@ def test_gateway_metrics_read_instance_stats():
     assert samples[("vllm:kv_cache_usage_perc", "D0")] == 0.6
     assert samples[("pdcluster_instance_healthy", "D1")] == 0.0
     assert ("vllm:num_requests_running", "D1") not in samples  # no answer: no series
+
+
+def test_an_engine_that_speculates_reports_its_drafts_to_the_view_and_metrics(preset_dir):
+    speculative = {"method": "ngram", "num_speculative_tokens": 2}
+    llm = LLM(preset_dir("tiny-llama"), num_blocks=32, speculative_config=speculative)
+    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=24))
+    engine = llm.engine.stats()
+    stats = InstanceStats.from_engine(engine, instance_id="D0", role="decode")
+    drafts = stats.spec_decode
+    assert drafts == engine["spec_decode"] and drafts.num_drafts > 0
+    assert _instance_view(stats)["spec_decode"]["num_draft_tokens"] == drafts.num_draft_tokens
+    assert InstanceStats.from_engine({}, instance_id="D1", role="decode").spec_decode is None
+
+    metrics = GatewayMetrics("m", max_model_len=64)
+    metrics.instances.snapshot = [stats]
+    samples = {
+        (s.name, s.labels.get("position")): s.value
+        for family in metrics.registry.collect()
+        for s in family.samples
+    }
+    assert samples[("vllm:spec_decode_num_drafts_total", None)] == drafts.num_drafts
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", None)] == (
+        drafts.num_accepted_tokens
+    )
+    per_pos = [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", p)] for p in "01"]
+    assert per_pos == drafts.num_accepted_tokens_per_pos
 
 
 def test_wait_idle_returns_once_every_healthy_instance_holds_nothing():

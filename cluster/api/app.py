@@ -8,6 +8,7 @@ aborts its request on every instance that holds state for it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -218,4 +219,6 @@ def _instance_view(s: InstanceStats) -> dict[str, Any]:
             "sim_steps_overrun": s.sim.steps_overrun,
             "sim_time_scale": s.sim.time_scale,
         }
+    if s.spec_decode is not None:  # an engine that speculates
+        view["spec_decode"] = dataclasses.asdict(s.spec_decode)
     return view

@@ -163,6 +163,7 @@ class _InstanceCollector(Collector):
                 for s in answered:
                     family.add_metric(self._vllm_labels(s), float(one.value(s)))
                 yield family
+        yield self._accepted_per_position(answered)
         yield _latency(
             "pdcluster_kv_transfer_latency_seconds",
             "KV load latency on the consumer (start of load to copied into blocks)",
@@ -176,6 +177,20 @@ class _InstanceCollector(Collector):
         for name, (kind, help_text, fn) in _KV_POOL.items():
             if self.kv_pool is not None:
                 yield kind(name, help_text, value=float(fn(self.kv_pool)))
+
+    def _accepted_per_position(self, answered: list[InstanceStats]) -> CounterMetricFamily:
+        """Accepted draft tokens by their position in the draft (0: the first), per instance
+        that speculates."""
+        family = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft",
+            labels=[*_VLLM_LABELS, "position"],
+        )
+        for s in answered:
+            if s.spec_decode is not None:
+                for pos, n in enumerate(s.spec_decode.num_accepted_tokens_per_pos):
+                    family.add_metric([*self._vllm_labels(s), str(pos)], float(n))
+        return family
 
     def _vllm_labels(self, s: InstanceStats) -> list[str]:
         return [self.model_name, s.instance_id, s.role]
