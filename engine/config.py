@@ -84,7 +84,8 @@ class SchedulerConfig:
             )
 
 
-# ngram: prompt lookup (engine/spec_decode/ngram_proposer.py); draft_model: reserved (not built)
+# ngram: prompt lookup (engine/spec_decode/ngram_proposer.py); draft_model: a second, faster
+# model with the target's tokenizer (engine/spec_decode/draft_model.py)
 SpeculativeMethod = Literal["ngram", "draft_model"]
 SPECULATIVE_METHODS = get_args(SpeculativeMethod)
 DEFAULT_PROMPT_LOOKUP_MIN = 1
@@ -104,6 +105,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     # No speculation while more than this many requests run (None: at every batch size).
     disable_by_batch_size: int | None = None
+    # draft_model: the draft's checkpoint (anything `LLM` takes: a folder, a GGUF file, a
+    # packaged model's name; the target's own path drafts with itself) and its quantization
+    # (None: the target's), e.g. the target in int4 drafting for itself in float32.
+    model: str | None = None
+    quantization: Quantization | None = None
 
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -129,9 +135,15 @@ class SpeculativeConfig:
                 f"speculative_config: method must be one of {SPECULATIVE_METHODS}, "
                 f"got {self.method!r}"
             )
-        if self.method == "draft_model":
+        if (self.method == "draft_model") != (self.model is not None):
             raise ValueError(
-                "speculative_config: method 'draft_model' is not supported yet; use 'ngram'"
+                "speculative_config: 'model' (the draft's checkpoint) is required with method "
+                "'draft_model' and only there"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"speculative_config: quantization must be one of {QUANTIZATIONS} or None, "
+                f"got {self.quantization!r}"
             )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
@@ -176,6 +188,12 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        drafts_by_model = self.speculative is not None and self.speculative.method == "draft_model"
+        if drafts_by_model and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config: method 'draft_model' runs at tensor_parallel_size 1 "
+                f"only, got {self.tensor_parallel_size}"
             )
         if self.quantization != "none" and self.tensor_parallel_size > 1:
             raise ValueError(

@@ -24,6 +24,7 @@ from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.scheduler import Scheduler
 from pdcluster.engine.sim.profile import read_folder_profile, sim_cache
 from pdcluster.engine.sim.runner import SimRunner
+from pdcluster.engine.spec_decode.draft_model import Drafter, load_draft_model
 from pdcluster.engine.structured_output import GrammarCompiler
 from pdcluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdcluster.engine.tp_worker import (
@@ -100,13 +101,27 @@ class EngineCore:
             )  # fmt: skip
         model, self.model_info = load_model(config.model, self.device, self.dtype)
         runner_info = self._shard(config, model)
-        self.runner_cache = size_cache(config.cache, runner_info, self.dtype, self.device, model)
+        spec = config.speculative
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_draft_model(
+                spec, self.tokenizer, config.dtype, config.quantization, self.device
+            )
+        infos, models = [runner_info], [model]
+        if draft is not None:
+            infos.append(draft[1])
+            models.append(draft[0])
+        self.runner_cache = size_cache(config.cache, infos, self.dtype, self.device, models)
         if self.tp is not None:
             self.tp.start_cache(self.runner_cache)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
+        drafter = None
+        if draft is not None:
+            vocab_size = self.model_info.vocab_size
+            drafter = Drafter(*draft, self.runner_cache, vocab_size, self.device)
         runner = ModelRunner(
             model, runner_info, self.runner_cache, self.device, self.precision, self.grammars,
-            self.tp,
+            self.tp, drafter,
         )  # fmt: skip
         if self.tp is not None:
             self.tp.attach_kv_cache(runner.kv_cache, self.model_info.num_kv_heads)

@@ -16,6 +16,7 @@ layers x 2 x block_size x kv_heads x head_dim x dtype bytes.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -120,19 +121,19 @@ def num_blocks_for_memory(
 
 def size_cache(
     cache: CacheConfig,
-    info: ModelInfo,
+    infos: Sequence[ModelInfo],
     dtype: torch.dtype,
     device: torch.device,
-    model: torch.nn.Module,
+    models: Sequence[torch.nn.Module],
 ) -> CacheConfig:
     """`cache` with `num_blocks` fixed: as given, or what its memory budget holds once the
-    model's weights are loaded on `device`."""
+    models' weights are loaded on `device`. Every model of `infos` keeps a KV cache of its
+    own over the same blocks (a draft model's beside the target's)."""
     if cache.num_blocks is not None:
         return cache
-    block_bytes = kv_block_bytes(info, cache.block_size, dtype)
-    num_blocks = num_blocks_for_memory(
-        cache, block_bytes, module_bytes(model), device_memory(device)
-    )
+    block_bytes = sum(kv_block_bytes(info, cache.block_size, dtype) for info in infos)
+    weight_bytes = sum(module_bytes(model) for model in models)
+    num_blocks = num_blocks_for_memory(cache, block_bytes, weight_bytes, device_memory(device))
     return replace(
         cache, num_blocks=num_blocks, kv_cache_memory_fraction=None, kv_cache_memory_bytes=None
     )

@@ -2,7 +2,8 @@
 
 A decode request scheduled with draft tokens (`scheduled_spec_decode_tokens`) is a chunk of
 its last token and the drafts; it samples at every position of the chunk, and emits the
-tokens `engine.spec_decode.verify` keeps.
+tokens `engine.spec_decode.verify` keeps. With a draft model the scheduler's drafts are
+slots, filled here first (engine.spec_decode.draft_model).
 
 The runner keeps its own per-request state, built from the scheduler's typed messages;
 it never reads the scheduler's queues or mutates a `Request`.
@@ -11,6 +12,7 @@ it never reads the scheduler's queues or mutates a `Request`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 import torch
@@ -37,6 +39,9 @@ from pdcluster.engine.structured_output import GrammarCompiler, advance
 from pdcluster.engine.token_masks import TokenMasks
 from pdcluster.engine.tp_worker import StepInputs, TensorParallelGroup
 
+if TYPE_CHECKING:
+    from pdcluster.engine.spec_decode.draft_model import Drafter
+
 
 @dataclass
 class CachedRequestState:
@@ -52,10 +57,25 @@ class CachedRequestState:
     # prompt_logprobs: positions [0, this) had theirs reported (each is reported once, also
     # when a preempted request computes its prompt again)
     num_prompt_logprob_positions: int = 0
+    # speculative method draft_model: positions [0, this) hold valid draft KV, as far as
+    # the target's KV is valid too (engine.spec_decode.draft_model)
+    num_draft_computed: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+def prepare_model(model: torch.nn.Module, precision: Precision, device: torch.device) -> None:
+    """Ready a loaded model for `precision` on `device`: on CPU its linear layers packed once,
+    each in the format that measured fastest, and its decode kernels attached."""
+    quantization = precision.quantization
+    if quantization != "none" and device.type != "cpu":
+        raise ValueError(f"quantization {quantization!r} runs on CPU only (device {device})")
+    if device.type == "cpu":
+        prepare_linears(model, quantization, precision.linear_dtypes)
+        cpu_kernels()  # built now (once per machine), not in a step
+        attach_decode_kernels(model)  # whole layers in one call where they can run
 
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are held at once: [rows, vocab]
@@ -71,15 +91,11 @@ class ModelRunner:
         precision: Precision,
         grammars: GrammarCompiler,
         tp: TensorParallelGroup | None = None,  # the other ranks, when sharded
+        drafter: Drafter | None = None,  # fills draft slots (speculative method draft_model)
     ) -> None:
-        quantization = precision.quantization
-        if quantization != "none" and device.type != "cpu":
-            raise ValueError(f"quantization {quantization!r} runs on CPU only (device {device})")
-        if device.type == "cpu":  # packed once; each format where it measured fastest
-            prepare_linears(model, quantization, precision.linear_dtypes)
-            cpu_kernels()  # built now (once per machine), not in a step
-            attach_decode_kernels(model)  # whole layers in one call where they can run
+        prepare_model(model, precision, device)
         self.model = model
+        self.drafter = drafter
         self.tp = tp
         self.grammars = grammars
         self.info = info
@@ -109,6 +125,7 @@ class ModelRunner:
             num_trimmed = cached.num_trimmed_blocks[i]
             if cached.resumed_from_preemption[i]:
                 state.block_ids = list(new_block_ids or [])
+                state.num_draft_computed = 0
             else:
                 if num_trimmed:
                     del state.block_ids[-num_trimmed:]
@@ -121,6 +138,7 @@ class ModelRunner:
         if state is not None:  # re-sent after preemption: keep sampled tokens and RNG state
             state.block_ids = list(new.block_ids)
             state.num_computed_tokens = new.num_computed_tokens
+            state.num_draft_computed = 0
             return
         self.requests[new.req_id] = CachedRequestState(
             req_id=new.req_id,
@@ -160,6 +178,8 @@ class ModelRunner:
             self.device,
         )
         drafts = so.scheduled_spec_decode_tokens
+        if self.drafter is not None and drafts:
+            drafts = self.drafter.propose(self.requests, drafts)
         input_ids: list[int] = []
         for s, n in zip(states, num_scheduled):
             draft = drafts.get(s.req_id, ())
@@ -255,7 +275,7 @@ class ModelRunner:
             [s.sampling_params for s, _ in rows],
             self._generators(rows),
             self._adjustments(rows),
-            self.grammars.bitmask([s.grammar for s, _ in rows]),
+            self.grammars.bitmask([s.grammar for s, _ in rows], [before for _, before in rows]),
         )
         token_ids = sampler_out.token_ids
         counted_ids: list[str] = []  # per emitted token: its request, for the penalties
@@ -264,17 +284,27 @@ class ModelRunner:
         for i, s, draft in picked:
             targets = token_ids[start : start + len(draft) + 1]
             end = start + num_accepted(draft, targets) + 1  # the accepted drafts, one more
+            if s.grammar is not None:
+                end = start + self._advance_grammar(s, token_ids[start:end], out)
             tokens = token_ids[start:end]
             s.token_ids.extend(tokens)
             out.sampled_token_ids[i] = tokens
             out.logprobs[i] = sampler_out.logprobs[start:end]
             out.top_logprobs[i] = [t for t in sampler_out.top_logprobs[start:end] if t is not None]
-            if s.grammar is not None and advance(s.grammar, tokens[-1]):  # no drafts: 1 token
-                out.grammar_done_req_ids.add(s.req_id)
             counted_ids += [s.req_id] * len(tokens)
             counted_tokens += tokens
             start += len(draft) + 1
         self.token_counts.append(counted_ids, counted_tokens)
+
+    @staticmethod
+    def _advance_grammar(s: CachedRequestState, tokens: list[int], out: RunnerOutput) -> int:
+        """Advance the request's grammar through its emitted tokens; how many it keeps: up
+        to the one that completes the grammar, which ends the request."""
+        for j, token_id in enumerate(tokens):
+            if advance(s.grammar, token_id):
+                out.grammar_done_req_ids.add(s.req_id)
+                return j + 1
+        return len(tokens)
 
     def _generators(
         self, rows: list[tuple[CachedRequestState, list[int]]]

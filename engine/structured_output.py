@@ -80,18 +80,47 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
         return compiled
 
-    def bitmask(self, matchers: Sequence[llguidance.LLMatcher | None]) -> torch.Tensor | None:
+    def bitmask(
+        self,
+        matchers: Sequence[llguidance.LLMatcher | None],
+        drafted: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor | None:
         """Allowed tokens of each row, one bit per token: [num_rows, ceil(vocab / 32)] int32.
-        A row without a live matcher allows every token; None when no row has one."""
+        A row without a live matcher allows every token; None when no row has one.
+
+        `drafted[i]`: draft tokens row i follows (a verified position after them): its mask
+        is its matcher's after them, the matcher rolled back after. A row whose drafts the
+        grammar refuses, or completes before their end, allows every token: its sample is
+        never used, since the row before it cannot accept the refused draft and a complete
+        grammar ends the request."""
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None and not m.is_stopped()]
         if not rows:
             return None
         num_words = (self.vocab_size + 31) // 32
         bitmask = torch.full((len(matchers), num_words), -1, dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr(
-            rows, bitmask.data_ptr(), num_words * 4, len(matchers)
-        )
+        now = [(m, i) for m, i in rows if not (drafted and drafted[i])]
+        if now:
+            self._executor.unsafe_compute_mask_ptr(
+                now, bitmask.data_ptr(), num_words * 4, len(matchers)
+            )
+        for m, i in rows:
+            if drafted and drafted[i]:
+                self._fill_after(m, list(drafted[i]), bitmask, i)
         return bitmask
+
+    def _fill_after(
+        self, matcher: llguidance.LLMatcher, tokens: list[int], bitmask: torch.Tensor, row: int
+    ) -> None:
+        """Row `row` of `bitmask` [num_rows, words]: the matcher's mask after `tokens`."""
+        num_consumed = matcher.try_consume_tokens(tokens)
+        try:
+            if num_consumed == len(tokens) and not matcher.is_stopped():
+                num_words = bitmask.shape[1]
+                self._executor.unsafe_compute_mask_ptr(
+                    [(matcher, row)], bitmask.data_ptr(), num_words * 4, bitmask.shape[0]
+                )
+        finally:
+            matcher.rollback(num_consumed)
 
 
 _WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}

@@ -156,6 +156,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
+    def has_vocabulary_of(self, other: Tokenizer) -> bool:
+        """Whether every token (added ones included) has the same id in both."""
+        mine = self._tokenizer.get_vocab(with_added_tokens=True)
+        return mine == other._tokenizer.get_vocab(with_added_tokens=True)
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tokenizer.id_to_token(token_id)
 

@@ -1,11 +1,14 @@
-"""Speculative decoding with n-gram drafts, Ray-free: outputs identical with and without it
-(greedy, seeded, penalties, logprobs, n > 1, stop conditions cutting a verified run), the
-verification rule's output distribution, rejected slots given back, the config's checks and
-the proposer's lookup."""
+"""Speculative decoding, Ray-free: outputs identical with and without it (greedy, seeded,
+penalties, logprobs, n > 1, stop conditions cutting a verified run, structured outputs,
+preemption), with n-gram drafts and with a draft model (the target itself, in its own format
+and in int4, and a smaller checkpoint with the same tokenizer); the verification rule's
+output distribution, rejected slots given back, the config's checks and the proposer's
+lookup."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -19,12 +22,14 @@ from pdcluster.engine.request import Request, RequestStatus
 from pdcluster.engine.sampler import sample
 from pdcluster.engine.sampling_params import StructuredOutputsParams
 from pdcluster.engine.scheduler import Scheduler
+from pdcluster.engine.spec_decode.draft_model import DRAFT_PLACEHOLDER
 from pdcluster.engine.spec_decode.ngram_proposer import NgramProposer
 from pdcluster.engine.spec_decode.verify import num_accepted
 from pdcluster.routing.fanout import fan_out
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
-ENGINE = {"block_size": 4, "num_blocks": 256}
+DRAFTING = {"method": "draft_model", "model": "preset:tiny-llama", "num_speculative_tokens": 4}
+ENGINE = {"block_size": 16, "num_blocks": 128}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
 # Mixed lengths; repetitive ones, and random-weight models fall into loops that drafts hit.
 PROMPTS = [
@@ -144,6 +149,17 @@ def test_max_tokens_and_stop_tokens_cut_a_verified_run(plain, spec):
         assert got[0].outputs[0].stop_reason == full[k]
 
 
+def test_structured_outputs_follow_their_grammar_with_drafts(plain, spec):
+    regex = "(ab|cd|ef)( (ab|cd|ef)){40}"
+    structured = StructuredOutputsParams(regex=regex)
+    params = dataclasses.replace(GREEDY, ignore_eos=False, structured_outputs=structured)
+    want, got, num_accepted_tokens = both(plain, spec, PROMPTS[:3], params)
+    assert num_accepted_tokens > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for out in got:
+        assert re.fullmatch(regex, out.text), out.text
+
+
 def step_sizes(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
     """Tokens each step emitted for one request."""
     llm.engine.add_request(llm.processor.process("sizes", {"prompt_token_ids": prompt}, params))
@@ -181,7 +197,7 @@ def test_stop_strings_cut_a_verified_run(plain, spec, monkeypatch):
 
 
 def test_preempted_speculating_requests_resume_identically(preset_dir):
-    tight = {"block_size": 4, "num_blocks": 60}  # each request fits alone, not all together
+    tight = {"block_size": 16, "num_blocks": 15}  # each request fits alone, not all together
     params = dataclasses.replace(GREEDY, max_tokens=64)
     want = generate(LLM(preset_dir("tiny-llama"), **tight), PROMPTS, params)
     llm = LLM(preset_dir("tiny-llama"), **tight, speculative_config=SPEC)
@@ -190,6 +206,87 @@ def test_preempted_speculating_requests_resume_identically(preset_dir):
     assert stats["num_preemptions"] > 0 and stats["spec_decode"].num_accepted_tokens > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
+# ---- a draft model -----------------------------------------------------------------------
+def draft_config(model: str, quantization: str | None = None) -> dict:
+    return {**DRAFTING, "model": model, "quantization": quantization}
+
+
+def test_the_target_drafting_for_itself_has_every_draft_accepted(preset_dir, plain):
+    """Its draft KV is the target's, so each draft is the target's own greedy token: any
+    position whose draft KV were stale or misplaced (the prompt's catch-up, a fully accepted
+    step's two tokens, trimmed blocks) would show as a rejected draft."""
+    model = preset_dir("tiny-llama")
+    llm = LLM(model, **ENGINE, speculative_config=draft_config(model))
+    want, got, num_accepted_tokens = both(plain, llm, PROMPTS, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = llm.engine.stats()
+    drafts = stats["spec_decode"]
+    assert drafts.num_drafts > 0 and drafts.num_accepted_tokens == drafts.num_draft_tokens
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
+def test_the_target_in_int4_drafting_for_itself_changes_no_output(preset_dir, plain):
+    """Greedy, seeded and structured outputs of the float32 target are its own."""
+    model = preset_dir("tiny-llama")
+    llm = LLM(model, **ENGINE, speculative_config=draft_config(model, "int4"))
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=48, ignore_eos=True)
+    regex = "(ab|cd|ef)( (ab|cd|ef)){20}"
+    structured = SamplingParams(
+        temperature=0.0, max_tokens=96, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    for params in (GREEDY, seeded, structured):
+        want, got, _ = both(plain, llm, PROMPTS, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(re.fullmatch(regex, o.text) for o in got)
+    stats = llm.engine.stats()
+    assert stats["spec_decode"].num_accepted_tokens > 0
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
+def test_another_checkpoint_with_the_same_tokenizer_drafts(preset_dir, plain):
+    """Other layers, heads and width: its own KV cache over the target's blocks. (Its random
+    weights share nothing with the target's: few drafts land, and no output changes.)"""
+    config = draft_config(preset_dir("small-llama"))
+    llm = LLM(preset_dir("tiny-llama"), **ENGINE, speculative_config=config)
+    params = dataclasses.replace(GREEDY, max_tokens=24)
+    want, got, _ = both(plain, llm, PROMPTS[:2], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = llm.engine.stats()
+    assert stats["spec_decode"].num_draft_tokens > 0
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
+def test_a_preempted_request_catches_its_draft_up_again(preset_dir):
+    tight = {"block_size": 16, "num_blocks": 15}  # each request fits alone, not all together
+    params = dataclasses.replace(GREEDY, max_tokens=64)
+    model = preset_dir("tiny-llama")
+    want = generate(LLM(model, **tight), PROMPTS, params)
+    llm = LLM(model, **tight, speculative_config=draft_config(model))
+    got = generate(llm, PROMPTS, params)
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    drafts = stats["spec_decode"]  # a stale draft KV after the resume would be rejected
+    assert drafts.num_accepted_tokens == drafts.num_draft_tokens > 0
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_at_load(preset_dir):
+    config = draft_config(preset_dir("tiny-qwen2"))
+    with pytest.raises(ValueError, match="another vocabulary than the target"):
+        LLM(preset_dir("tiny-llama"), **ENGINE, speculative_config=config)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        LLM(preset_dir("tiny-llama"), speculative_config=DRAFTING, tensor_parallel_size=2)
+
+
+def test_the_scheduler_gives_a_draft_model_k_slots_within_max_tokens():
+    scheduler = make_scheduler(method="draft_model", model="m")
+    add(scheduler, "a", [1, 2, 3], max_tokens=4)
+    step(scheduler, {"a": [7]})  # the prefill samples token 1 of 4
+    slots = step(scheduler, {"a": [8]}).scheduled_spec_decode_tokens["a"]
+    assert slots == [DRAFT_PLACEHOLDER] * 2  # tokens 2 and 3 drafted, the 4th sampled
 
 
 # ---- the scheduler's part ----------------------------------------------------------------
@@ -250,7 +347,7 @@ def test_drafts_never_exceed_max_tokens_or_the_budget():
     assert scheduler.kv_cache_manager.get_num_free_blocks() == 32
 
 
-def test_no_drafts_above_disable_by_batch_size_or_under_a_grammar():
+def test_no_drafts_above_disable_by_batch_size():
     scheduler = make_scheduler(disable_by_batch_size=1)
     prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2]
     add(scheduler, "a", prompt)
@@ -259,11 +356,6 @@ def test_no_drafts_above_disable_by_batch_size_or_under_a_grammar():
     assert not step(scheduler, {"a": [4], "b": [4]}).scheduled_spec_decode_tokens
     scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     assert step(scheduler, {"a": [5, 6]}).scheduled_spec_decode_tokens  # alone now
-
-    grammar = make_scheduler()
-    add(grammar, "g", prompt, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
-    step(grammar, {"g": [3]})
-    assert not step(grammar, {"g": [4]}).scheduled_spec_decode_tokens
 
 
 # ---- the verification rule's distribution ------------------------------------------------
@@ -329,7 +421,9 @@ def test_the_chi_square_test_fails_a_wrong_rule():
         ({**SPEC, "num_speculative_token": 4}, "unknown key"),
         ({"method": "ngram"}, "'num_speculative_tokens' is required"),
         ({**SPEC, "method": "eagle"}, "method must be one of"),
-        ({**SPEC, "method": "draft_model"}, "'draft_model' is not supported yet"),
+        ({**SPEC, "method": "draft_model"}, "'model' .* is required with method 'draft_model'"),
+        ({**SPEC, "model": "m"}, "and only there"),
+        ({**DRAFTING, "quantization": "int3"}, "quantization must be one of"),
         ({**SPEC, "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
         ({**SPEC, "num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
         ({**SPEC, "prompt_lookup_min": 4}, r"prompt_lookup_min \(4\) must not exceed"),
@@ -370,3 +464,4 @@ def test_ngram_proposer_honours_prompt_lookup_min():
     config = SpeculativeConfig.from_dict({**SPEC, "prompt_lookup_min": 2})
     assert NgramProposer(config).propose([1, 2, 3, 1], 4) == []  # only a 1-gram matches
     assert NgramProposer(config).propose([1, 2, 3, 1, 2], 4) == [3, 1, 2]
+

@@ -4,7 +4,13 @@ this step, and what a verified step gives back.
 A decode request with K drafts is scheduled for 1 + K tokens (its last token and the
 drafts), with KV slots for all of them. After verification its `num_computed_tokens` drops
 by the rejected drafts (their KV is garbage), the blocks past its computed tokens return to
-the pool, and the runner is told to drop them from its block table.
+the pool, and the runner is told to drop them from its block table. With a draft model the
+drafts are slots here, which the runner's drafter fills (engine.spec_decode.draft_model).
+
+Every sampling field is honoured per verified position (engine.spec_decode.verify), so any
+decode request may get drafts: temperature, top-k/p, penalties, bad words, logit bias, seeds,
+logprobs, stop tokens and strings, n, and structured outputs (each position's grammar mask
+follows the drafts before it).
 """
 
 from __future__ import annotations
@@ -12,18 +18,9 @@ from __future__ import annotations
 from pdcluster.engine.config import SpeculativeConfig
 from pdcluster.engine.kv_cache_manager import KVCacheManager
 from pdcluster.engine.request import Request
-from pdcluster.engine.sampling_params import SamplingParams
+from pdcluster.engine.spec_decode.draft_model import DraftModelProposer
 from pdcluster.engine.spec_decode.metrics import SpecDecodingStats
 from pdcluster.engine.spec_decode.ngram_proposer import NgramProposer
-
-
-def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request's sampling allows drafts. Structured outputs do not: verifying a
-    draft under a grammar needs the grammar's mask at every draft position, i.e. the matcher
-    advanced through the drafts and rolled back after; not built. Every other field
-    (temperature, top-k/p, penalties, bad words, logit bias, seeds, logprobs, stop tokens
-    and strings, n) is honoured per verified position."""
-    return params.structured_outputs is None
 
 
 class Speculation:
@@ -33,7 +30,9 @@ class Speculation:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config)
+        self.proposer = (
+            NgramProposer(config) if config.method == "ngram" else DraftModelProposer(config)
+        )
         self.stats = SpecDecodingStats.new(config.num_speculative_tokens)
         # req_id -> blocks dropped from its table since it last ran, for the runner
         self._num_trimmed_blocks: dict[str, int] = {}
@@ -42,9 +41,7 @@ class Speculation:
         """Drafts to verify with a decode request's next step (at most `max_num_tokens`, and
         never more than the request may still emit after the step's own token)."""
         limit = self.config.disable_by_batch_size
-        if (limit is not None and num_running > limit) or not can_speculate(
-            request.sampling_params
-        ):
+        if limit is not None and num_running > limit:
             return []
         room = self.max_model_len - request.num_tokens
         max_tokens = request.sampling_params.max_tokens
