@@ -464,4 +464,3 @@ def test_ngram_proposer_honours_prompt_lookup_min():
     config = SpeculativeConfig.from_dict({**SPEC, "prompt_lookup_min": 2})
     assert NgramProposer(config).propose([1, 2, 3, 1], 4) == []  # only a 1-gram matches
     assert NgramProposer(config).propose([1, 2, 3, 1, 2], 4) == [3, 1, 2]
-
