@@ -1,6 +1,7 @@
-"""Speculative decoding in the cluster: a D (or a mixed instance) that drafts with n-gram
-lookup streams exactly the tokens of colocated serving without drafts, from its first step
-after the P→D handoff, and frees every block it drafted into."""
+"""Speculative decoding in the cluster: a D (or a mixed instance) that drafts, with n-gram
+lookup or with a draft model, streams exactly the tokens of colocated serving without
+drafts, from its first step after the P→D handoff (which carries the target's KV only: D's
+draft model catches the prompt up itself), and frees every block it drafted into."""
 
 from __future__ import annotations
 
@@ -19,17 +20,29 @@ from tests.cluster_utils import (
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
 LONG = dataclasses.replace(GREEDY, max_tokens=40)
-SPECULATING = {"count": 1, "num_cpus": 1, "engine": {"speculative_config": NGRAM}}
+
+
+def speculating(config: dict) -> dict:
+    return {"count": 1, "num_cpus": 1, "engine": {"speculative_config": config}}
 
 
 @pytest.mark.parametrize(
-    "topology, role",
-    [({"prefill": 1, "decode": SPECULATING}, "decode"), ({"mixed": SPECULATING}, "mixed")],
-    ids=["1P1D", "1mixed"],
+    "method, topology, role",
+    [
+        ("ngram", {"prefill": 1, "decode": "drafting"}, "decode"),
+        ("ngram", {"mixed": "drafting"}, "mixed"),
+        ("draft_model", {"prefill": 1, "decode": "drafting"}, "decode"),
+    ],
+    ids=["ngram-1P1D", "ngram-1mixed", "draft_model-1P1D"],
 )
 def test_drafting_instances_stream_colocated_tokens(
-    ray_session, model_dir, reference, topology, role
+    ray_session, model_dir, reference, method, topology, role
 ):
+    config = NGRAM
+    if method == "draft_model":  # the target itself in int4
+        config = {"method": method, "model": model_dir, "quantization": "int4"}
+        config["num_speculative_tokens"] = 3
+    topology = {r: speculating(config) if v == "drafting" else v for r, v in topology.items()}
     prompts = mixed_prompts(with_images=True)
     with start(model_dir, **topology) as cluster:
         baseline = live_object_ids()

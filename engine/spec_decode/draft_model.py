@@ -16,7 +16,9 @@ K passes, all requests batched, greedy. After verification the valid positions a
 the target keeps: an accepted draft is a token the draft model was fed.
 
 Drafts never change what a request emits (the target samples every position and a draft
-counts only where it equals that sample), so the drafter ignores sampling parameters.
+counts only where it equals that sample), so the drafter ignores sampling parameters, and
+it reads a prompt's image placeholders as the tokens they are (a multimodal draft model, the
+target itself included, drafts from text alone: a D has no image features after a handoff).
 """
 
 from __future__ import annotations
@@ -54,8 +56,7 @@ def load_draft_model(
     device: torch.device,
 ) -> tuple[torch.nn.Module, ModelInfo, Precision]:
     """The draft model of `config` (in its quantization, else the target's) with its info
-    and precision; ValueError when it does not share the target's vocabulary or is
-    multimodal."""
+    and precision; ValueError when it does not share the target's vocabulary."""
     if config.model is None:
         raise ValueError("speculative_config: method 'draft_model' needs 'model'")
     path = resolve_model_dir(config.model)
@@ -66,8 +67,6 @@ def load_draft_model(
         )
     precision = Precision.resolve(dtype, config.quantization or target_quantization, device)
     model, info = load_model(path, device, precision.dtype)
-    if info.is_multimodal:
-        raise ValueError(f"speculative_config: the draft model {config.model!r} is multimodal")
     return model, info, precision
 
 
