@@ -5,10 +5,13 @@ draft model catches the prompt up itself), and frees every block it drafted into
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
+import ray
 
+from pdcluster.engine.llm import merge_output, new_request_output
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,
@@ -16,14 +19,24 @@ from tests.cluster_utils import (
     live_object_ids,
     mixed_prompts,
     start,
+    stats_by_id,
+    wait_until,
 )
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
 LONG = dataclasses.replace(GREEDY, max_tokens=40)
 
 
-def speculating(config: dict) -> dict:
-    return {"count": 1, "num_cpus": 1, "engine": {"speculative_config": config}}
+def speculating(config: dict, count: int = 1) -> dict:
+    return {"count": count, "num_cpus": 1, "engine": {"speculative_config": config}}
+
+
+def self_draft(model_dir: str) -> dict:
+    """The target itself in int4."""
+    return {
+        "method": "draft_model", "model": model_dir, "quantization": "int4",
+        "num_speculative_tokens": 3,
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -38,10 +51,7 @@ def speculating(config: dict) -> dict:
 def test_drafting_instances_stream_colocated_tokens(
     ray_session, model_dir, reference, method, topology, role
 ):
-    config = NGRAM
-    if method == "draft_model":  # the target itself in int4
-        config = {"method": method, "model": model_dir, "quantization": "int4"}
-        config["num_speculative_tokens"] = 3
+    config = NGRAM if method == "ngram" else self_draft(model_dir)
     topology = {r: speculating(config) if v == "drafting" else v for r, v in topology.items()}
     prompts = mixed_prompts(with_images=True)
     with start(model_dir, **topology) as cluster:
@@ -55,4 +65,44 @@ def test_drafting_instances_stream_colocated_tokens(
         assert drafts.num_accepted_tokens > 0  # the tiny model repeats itself: drafts land
         if role == "decode":
             assert instance_stats(cluster, "prefill").spec_decode is None  # set on D only
+        assert_clean(cluster, baseline)
+
+
+def test_a_stream_moved_off_a_dead_d_goes_on_drafting(ray_session, model_dir, reference):
+    """D killed mid-stream: the stream moves to the other D, whose draft model catches up on
+    the prompt and the tokens so far, and goes on with the undisturbed run's tokens."""
+    long = dataclasses.replace(GREEDY, max_tokens=160)
+    prompt = "Decode for a long time, then lose D"
+    decode = speculating(self_draft(model_dir), count=2)
+    with start(model_dir, prefill=1, decode=decode) as cluster:
+        baseline = live_object_ids()
+        request = cluster.make_request(prompt, long)
+
+        async def scenario():
+            result, killed = new_request_output(request), None
+            async for out in cluster.stream(request):
+                merge_output(result, out)
+                if killed is None and len(result.token_ids) >= 3:  # D has streamed tokens
+                    stats = stats_by_id(cluster).values()
+                    killed = next(
+                        s for s in stats if s.role == "decode" and s.scheduler.num_running
+                    )
+                    ray.kill(cluster.instances[killed.instance_id][1], no_restart=False)
+            return result, killed
+
+        out, killed = asyncio.run(scenario())
+        assert killed is not None, "the request finished before D could be killed"
+        assert (out.finish_reason, out.token_ids) == ("length", reference(prompt, long).token_ids)
+        assert cluster.num_moves == 1
+        survivor = next(
+            s for s in stats_by_id(cluster).values()
+            if s.role == "decode" and s.instance_id != killed.instance_id
+        )  # fmt: skip
+        assert survivor.spec_decode.num_accepted_tokens > 0
+
+        def back() -> bool:
+            stats = stats_by_id(cluster)[killed.instance_id]
+            return stats.healthy and stats.pid not in (None, killed.pid)
+
+        assert wait_until(back, 120), cluster.stats()
         assert_clean(cluster, baseline)
