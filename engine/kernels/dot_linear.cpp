@@ -7,6 +7,13 @@
 // integers. A few rows of x share each load of the weights; the output rows are split across
 // torch's threads.
 //
+// Two builds, chosen by the compiler's target (-march=native): AVX512-VNNI (with AVX512
+// F/BW/VL), or else AVX2 with FMA and F16C, as llama.cpp multiplies Q4_1 by Q8 there: for
+// vpdpbusd, vpmaddubsw (unsigned times signed bytes, pairs summed into int16) then vpmaddwd
+// by ones (pairs of int16 summed into int32), in the same lanes, on the same weight layouts,
+// giving the same integer sums (the float sums only in another order). Neither:
+// dot_linear_supported() is false and the Python side runs torch's kernels.
+//
 // int4_linear: W [out, in] on GGUF's Q4_1 grid: each group of 32 inputs of a row has a scale d
 // and a minimum m (float16), weight = d * q + m with q in 0..15. A row's groups go in blocks
 // of kLanes, one group per 32-bit lane of a 256-bit vector: one vpdpbusd takes 4 weights of
@@ -22,7 +29,8 @@
 //
 // int8_linear: W = w_scale[o] * q with q in -127..127 per output row (symmetric), stored as
 // q + 128 (unsigned). Per output:  w_scale * (sum_g s_g sum_i (q_i + 128) xq_i  -  C),
-// C = 128 sum_g s_g sum_i xq_i, which depends on x alone.
+// C = 128 sum_g s_g sum_i xq_i, which depends on x alone. (AVX2 multiplies q itself: see its
+// rows_of.)
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
