@@ -27,7 +27,7 @@ from tests.arch_checkpoints import make_checkpoint
 from tests.test_quantization import _linear
 
 pytestmark = pytest.mark.skipif(
-    not Int4DotLinear.available(), reason="no engine CPU kernels with AVX512-VNNI here"
+    not Int4DotLinear.available(), reason="no engine CPU kernels with AVX512-VNNI or AVX2 here"
 )
 
 

@@ -19,8 +19,9 @@ path instead; that is logged once. Nothing here is needed for correctness. The o
   unfused float32 ops); returns the rotated q.
 - `int4_linear(x, packed, scales, bias)`, `int8_linear(x, q, w_scale, bias)`: x times 4-bit
   weights on GGUF Q4_1's grid, or int8 weights with a scale per output, the activations
-  quantized to int8 per group of 32, in integer dot products (AVX512-VNNI;
-  `dot_linear_supported()` says whether this CPU's build has them).
+  quantized to int8 per group of 32, in integer dot products (AVX512-VNNI's `vpdpbusd`, or
+  on CPUs with AVX2 but not it, `vpmaddubsw` + `vpmaddwd` as llama.cpp's AVX2 path; the same
+  integer sums; `dot_linear_supported()` says whether this CPU's build has either).
 - `decode_layer(...)`: a whole Llama-family decoder layer on 4-bit weights for a decode step
   of a few sequences (engine/models/decode_kernel.py).
 """

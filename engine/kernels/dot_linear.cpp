@@ -7,6 +7,13 @@
 // integers. A few rows of x share each load of the weights; the output rows are split across
 // torch's threads.
 //
+// Two builds, chosen by the compiler's target (-march=native): AVX512-VNNI (with AVX512
+// F/BW/VL), or else AVX2 with FMA and F16C, as llama.cpp multiplies Q4_1 by Q8 there: for
+// vpdpbusd, vpmaddubsw (unsigned times signed bytes, pairs summed into int16) then vpmaddwd
+// by ones (pairs of int16 summed into int32), in the same lanes, on the same weight layouts,
+// giving the same integer sums (the float sums only in another order). Neither:
+// dot_linear_supported() is false and the Python side runs torch's kernels.
+//
 // int4_linear: W [out, in] on GGUF's Q4_1 grid: each group of 32 inputs of a row has a scale d
 // and a minimum m (float16), weight = d * q + m with q in 0..15. A row's groups go in blocks
 // of kLanes, one group per 32-bit lane of a 256-bit vector: one vpdpbusd takes 4 weights of
@@ -22,7 +29,8 @@
 //
 // int8_linear: W = w_scale[o] * q with q in -127..127 per output row (symmetric), stored as
 // q + 128 (unsigned). Per output:  w_scale * (sum_g s_g sum_i (q_i + 128) xq_i  -  C),
-// C = 128 sum_g s_g sum_i xq_i, which depends on x alone.
+// C = 128 sum_g s_g sum_i xq_i, which depends on x alone. (AVX2 multiplies q itself: see its
+// rows_of.)
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -34,6 +42,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #define PDCLUSTER_DOT_LINEAR 1
+#define PDCLUSTER_DOT_VNNI 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PDCLUSTER_DOT_LINEAR 1
+#define PDCLUSTER_DOT_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -98,6 +111,8 @@ struct Int8Weights {
   const float* w_scale;   // [out]
 };
 
+#ifdef PDCLUSTER_DOT_VNNI
+
 // Lanes 0-7 of a vpdpbusd over two groups belong to the first group, lanes 8-15 to the second:
 // pair_lanes[p] picks scale 2p, then 2p + 1, out of a vector of kGroupsPerBlock scales.
 struct PairLanes {
@@ -110,6 +125,8 @@ struct PairLanes {
 };
 
 inline __mmask16 block_mask(int64_t num) { return static_cast<__mmask16>((1u << num) - 1); }
+
+#endif  // PDCLUSTER_DOT_VNNI
 
 // x's int8 rows as the int4 kernel reads them: per row and block, for k = 0..7 the 4 bytes
 // xq[4k .. 4k + 3] of each of the block's kLanes groups (zeros past a row's last group).
@@ -133,6 +150,8 @@ inline float sum_of(__m256 v) {
   half = _mm_add_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 }
+
+#ifdef PDCLUSTER_DOT_VNNI
 
 template <int NR>
 void rows_of(const Int4Weights& w, const QuantizedRows& x, int64_t r0, int64_t in,
@@ -209,6 +228,125 @@ void rows_of(const Int8Weights& w, const QuantizedRows& x, int64_t r0, int64_t i
   }
 }
 
+#endif  // PDCLUSTER_DOT_VNNI
+
+#ifdef PDCLUSTER_DOT_AVX2
+
+// AVX2 has no vpdpbusd: vpmaddubsw multiplies unsigned by signed bytes and sums adjacent
+// pairs into saturating int16 lanes, vpmaddwd by ones then sums adjacent int16 pairs into
+// int32. With 4-bit weights (0..15) and int8 activations (-127..127) a pair is at most
+// 2 * 15 * 127 = 3810, so a block's 8 vpmaddubsw (32 products per group, 4 per 32-bit lane)
+// add up in int16 (|sum| <= 30480) before one vpmaddwd: no saturation, the same integers as
+// vpdpbusd's.
+
+// The first `num` (1..8) 32-bit lanes on, for AVX2's masked loads.
+inline __m256i lane_mask(int64_t num) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(num)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// `num` float16 values from `p` as float32, zeros past them (no 16-bit masked load in AVX2).
+inline __m256 load_halves(const uint16_t* p, int64_t num) {
+  if (num == kLanes) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t part[kLanes] = {};
+  std::copy_n(p, num, part);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(part)));
+}
+
+template <int NR>
+void rows_of(const Int4Weights& w, const QuantizedRows& x, int64_t r0, int64_t in,
+             int64_t begin, int64_t end, float* acc_out) {
+  const int64_t groups = in / kGroup, blocks = (groups + kLanes - 1) / kLanes;
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t tail = groups - (blocks - 1) * kLanes;  // groups of a row's last block
+  const __m256i tail_mask = lane_mask(tail);
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* packed = w.packed + o * (in / 2);
+    const uint16_t* d = w.scales + o * 2 * groups;
+    const uint16_t* m = d + groups;
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t g0 = b * kLanes, num = std::min(kLanes, groups - g0);
+      const bool full = num == kLanes;
+      const uint8_t* chunks = packed + g0 * kGroup / 2;  // 4 chunks of num x 4 bytes
+      __m256i dot[NR];
+      for (int r = 0; r < NR; ++r) dot[r] = _mm256_setzero_si256();
+      for (int64_t j = 0; j < 4; ++j) {
+        const uint8_t* chunk = chunks + j * num * 4;
+        const __m256i v =
+            full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk))
+                 : _mm256_maskload_epi32(reinterpret_cast<const int*>(chunk), tail_mask);
+        const __m256i lo = _mm256_and_si256(v, low_nibbles);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* xb = x.blocked.data() + ((r0 + r) * blocks + b) * kLanes * kGroup;
+          const __m256i* xk = reinterpret_cast<const __m256i*>(xb) + 2 * j;
+          dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(lo, _mm256_loadu_si256(xk)));
+          dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xk + 1)));
+        }
+      }
+      const __m256 dw = load_halves(d + g0, num);
+      const __m256 mw = load_halves(m + g0, num);
+      for (int r = 0; r < NR; ++r) {
+        const int64_t at = (r0 + r) * groups + g0;
+        __m256 scale, sum, correction;
+        if (full) {
+          scale = _mm256_loadu_ps(x.scale.data() + at);
+          sum = _mm256_loadu_ps(x.sum.data() + at);
+          correction = _mm256_loadu_ps(x.correction.data() + at);
+        } else {
+          scale = _mm256_maskload_ps(x.scale.data() + at, tail_mask);
+          sum = _mm256_maskload_ps(x.sum.data() + at, tail_mask);
+          correction = _mm256_maskload_ps(x.correction.data() + at, tail_mask);
+        }
+        const __m256i dot32 = _mm256_madd_epi16(dot[r], ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32), _mm256_mul_ps(dw, scale), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw, sum, acc[r]);
+        acc[r] = _mm256_fmadd_ps(dw, correction, acc[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) acc_out[r * (end - begin) + (o - begin)] = sum_of(acc[r]);
+  }
+}
+
+// int8 weights: vpmaddubsw's unsigned operand cannot be the stored q + 128 (a pair of
+// 255 * 127 products saturates int16), so, as llama.cpp's mul_sum_i8_pairs, it multiplies
+// |q| (q = stored ^ 0x80, -127..127) by xq with q's sign (vpsignb): pairs of at most
+// 2 * 127 * 127 = 32258, exact. That is sum_i q_i xq_i itself, so int8_linear's C is not
+// subtracted here: the same sum as the AVX-512 path's in exact arithmetic.
+template <int NR>
+void rows_of(const Int8Weights& w, const QuantizedRows& x, int64_t r0, int64_t in,
+             int64_t begin, int64_t end, float* acc_out) {
+  const int64_t groups = in / kGroup;
+  const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* q = w.q + o * in;
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256i wq = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kGroup)), offset);
+      const __m256i magnitude = _mm256_sign_epi8(wq, wq);
+      for (int r = 0; r < NR; ++r) {
+        const __m256i xq = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(x.q.data() + (r0 + r) * in + g * kGroup));
+        const __m256i dot = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, wq)), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                 _mm256_set1_ps(x.scale[(r0 + r) * groups + g]), acc[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      acc_out[r * (end - begin) + (o - begin)] = w.w_scale[o] * sum_of(acc[r]);
+    }
+  }
+}
+
+#endif  // PDCLUSTER_DOT_AVX2
+
 // y[r, o] for every row of x: passes of kRowsPerPass rows (then the rest), output rows split
 // across threads.
 template <typename Weights>
@@ -272,7 +410,7 @@ bool dot_linear_supported() {
 // bias [out] float32 or None -> y [N, out] float32
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(dot_linear_supported(), "int4_linear needs a CPU with AVX512-VNNI");
+  TORCH_CHECK(dot_linear_supported(), "int4_linear needs a CPU with AVX2 or AVX512-VNNI");
   const int64_t in = x.size(-1), out_features = packed.size(0);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 &&
                   packed.is_contiguous() && packed.size(1) == in / 2,
@@ -294,7 +432,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // bias [out] float32 or None -> y [N, out] float32
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& w_scale, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(dot_linear_supported(), "int8_linear needs a CPU with AVX512-VNNI");
+  TORCH_CHECK(dot_linear_supported(), "int8_linear needs a CPU with AVX2 or AVX512-VNNI");
   const int64_t in = x.size(-1), out_features = q.size(0);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kUInt8 && q.is_contiguous() &&
                   q.size(1) == in,

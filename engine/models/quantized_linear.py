@@ -12,7 +12,7 @@ dynamic linear does, measured +13% perplexity on SmolLM2; int8 weights, -0.1%):
   weights, `d * q + m`), so a Q4_1 checkpoint's weights come back as the file holds them, bar
   bf16's rounding of each group's scale and offset.
 - `Int8DotLinear` and `Int4DotLinear`, preferred where the engine's kernels run
-  (AVX512-VNNI): the same grids (int4's with float16 scales and offsets, a Q4_1 block's own),
+  (AVX512-VNNI, or AVX2 with FMA): the same grids (int4's with float16 scales and offsets, a Q4_1 block's own),
   times activations quantized per group of 32 rather than per row, as llama.cpp does, by
   integer dot products, in one call with float32 in and out (faster than torch's kernels at
   one to eight rows, with quality as theirs). Whole decoder layers run on
@@ -169,7 +169,7 @@ class Int4Linear(WeightOnlyLinear):
 class DotLinear(WeightOnlyLinear):
     """A format multiplied by the engine's kernels (engine/kernels/dot_linear.cpp): the
     activations quantized to int8 per group of 32 as llama.cpp's are, integer dot products by
-    AVX512-VNNI, float32 in and out in one call."""
+    AVX512-VNNI or AVX2, float32 in and out in one call."""
 
     @staticmethod
     def available() -> bool:
