@@ -9,10 +9,11 @@ allocation covers both, a trimmed or freed block drops both, and a handoff that 
 target's KV brings block ids the drafter fills itself.
 
 Per request the runner's state counts the positions holding valid draft KV
-(`num_draft_computed`). A step feeds the draft model every known token after them in one
-pass (the whole prompt on a request's first decode step, e.g. after a P→D handoff or a
-preemption; usually one or two tokens), then each draft it proposed, one pass per draft:
-K passes, all requests batched, greedy. After verification the valid positions are those
+(`num_draft_computed`). A step first feeds the draft model, in one pass, the known tokens
+after them but the last (the prompt on a request's first decode step, e.g. after a P→D
+handoff or a preemption; after a step that accepted every draft, the last draft), then the
+last token and each draft it proposes, one decode pass each: K passes, all requests
+batched, greedy. After verification the valid positions are those
 the target keeps: an accepted draft is a token the draft model was fed.
 
 Drafts never change what a request emits (the target samples every position and a draft
@@ -100,31 +101,37 @@ class Drafter:
         slots: Mapping[str, list[int]],  # req_id -> its draft slots this step
     ) -> dict[str, list[int]]:
         """Greedy drafts for each request's slots (as many as it has)."""
-        rows = [(requests[r], len(s)) for r, s in slots.items()]
-        drafts: list[list[int]] = [[] for _ in rows]
-        # Pass 0: every known token past the valid draft KV; pass j: the j-th draft.
-        for j in range(max(k for _, k in rows)):
-            live = [i for i, (_, k) in enumerate(rows) if k > j]
-            if j == 0:
-                starts = [min(s.num_draft_computed, s.num_computed_tokens) for s, _ in rows]
-                inputs = [rows[i][0].token_ids[starts[i] :] for i in live]
-            else:
-                starts = [len(s.token_ids) - 1 + j for s, _ in rows]
-                inputs = [drafts[i][-1:] for i in live]
-            next_ids = self._forward(
-                [starts[i] for i in live], inputs, [rows[i][0].block_ids for i in live]
+        states = [requests[r] for r in slots]
+        # Catch up to each request's last token first (its logits unused), so that each
+        # pass after it is a decode pass: one token per request, the engine's fastest.
+        behind = [(s, min(s.num_draft_computed, s.num_computed_tokens)) for s in states]
+        behind = [(s, start) for s, start in behind if start < len(s.token_ids) - 1]
+        if behind:
+            self._forward(
+                [start for _, start in behind],
+                [s.token_ids[start:-1] for s, start in behind],
+                [s.block_ids for s, _ in behind],
             )
-            for i, token_id in zip(live, next_ids):
+        drafts: list[list[int]] = [[s.token_ids[-1]] for s in states]  # then the drafts
+        for j in range(max(len(k) for k in slots.values())):
+            live = [i for i, k in enumerate(slots.values()) if len(k) > j]
+            hidden = self._forward(
+                [len(states[i].token_ids) - 1 + j for i in live],
+                [drafts[i][-1:] for i in live],
+                [states[i].block_ids for i in live],
+            )
+            logits = self.model.compute_logits(hidden)[:, : self.vocab_size]
+            for i, token_id in zip(live, logits.argmax(dim=-1).tolist()):
                 drafts[i].append(token_id)
-        for s, k in rows:  # positions up to the last draft fed hold valid draft KV
-            s.num_draft_computed = len(s.token_ids) + k - 1
-        return {r: d for r, d in zip(slots, drafts)}
+        for s, d in zip(states, drafts):  # every position up to the last draft fed
+            s.num_draft_computed = len(s.token_ids) + len(d) - 2
+        return {r: d[1:] for r, d in zip(slots, drafts)}
 
     def _forward(
         self, starts: list[int], inputs: list[list[int]], tables: list[list[int]]
-    ) -> list[int]:
-        """One pass of the draft model: each row's `inputs` at positions from its `start`;
-        the argmax of each row's last position."""
+    ) -> torch.Tensor:
+        """One pass of the draft model, each row's `inputs` at positions from its `start`
+        (its KV written); the hidden state of each row's last input, [rows, hidden]."""
         meta = AttentionMetadata.build(
             starts, [len(t) for t in inputs], tables, self.block_size, self.device
         )
@@ -132,5 +139,4 @@ class Drafter:
         ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         embeds = self.model.embed_tokens(ids)  # [T, hidden]
         hidden = self.model.forward(embeds, meta.positions, self.kv_cache, meta)
-        logits = self.model.compute_logits(hidden[meta.logits_indices])[:, : self.vocab_size]
-        return logits.argmax(dim=-1).tolist()
+        return hidden[meta.logits_indices]
