@@ -42,6 +42,7 @@ from pdcluster.benchmarks.client import (
     stream_one,
 )
 from pdcluster.benchmarks.metrics import Slo, goodput, search_rates, summarize
+from pdcluster.benchmarks.spec_metrics import read_spec_counters, spec_decode_delta
 from pdcluster.benchmarks.targets import (
     Target,
     Variant,
@@ -405,6 +406,7 @@ def run_rate(
     limit = min(args.max_run_s, span + args.drain_s)
     actual_rate = workload.mean_rate if len(workload.requests) > 1 else 0.0
     load_before = report.loadavg()
+    spec_before = read_spec_counters(target.url, target.api_key)
     started_unix_s = time.time()
     outcome = asyncio.run(
         run_load(
@@ -417,6 +419,9 @@ def run_rate(
         )
     )
     summary = summarize(outcome.results, outcome.duration_s, slo)
+    spec = spec_decode_delta(spec_before, read_spec_counters(target.url, target.api_key))
+    if spec is not None:
+        summary["spec_decode"] = spec
     print(report.run_line(target.name, actual_rate, summary) + f"   [{workload.describe()}]")
     records = [r.to_dict() for r in outcome.results]
     if target.cluster is not None:  # launched here: the replica's traces are at hand

@@ -95,7 +95,19 @@ def run_line(name: str, rate: float, s: dict[str, Any]) -> str:
         f"{name} @ {rate:.3g} req/s: {s['num_ok']}/{s['num_requests']} ok, "
         f"TTFT p50/p90/p99 {_f(t['p50'])}/{_f(t['p90'])}/{_f(t['p99'])} ms, "
         f"TPOT {_f(p['p50'])}/{_f(p['p90'])}/{_f(p['p99'])} ms, "
-        f"{_f(s['output_tokens_per_s'])} tok/s{attain}"
+        f"{_f(s['output_tokens_per_s'])} tok/s{attain}{_spec_decode(s)}"
+    )
+
+
+def _spec_decode(s: dict[str, Any]) -> str:
+    """The run's drafts, where the server speculates (vLLM's spec-decode counters)."""
+    spec = s.get("spec_decode")
+    if spec is None:
+        return ""
+    return (
+        f", drafts: {spec['num_accepted_tokens']} of {spec['num_draft_tokens']} tokens "
+        f"accepted ({_f(spec['acceptance_rate'], 2)}), per draft by position "
+        f"{spec['accepted_per_draft_by_position']}"
     )
 
 
@@ -150,6 +162,10 @@ def _topology_section(topo: dict[str, Any]) -> list[str]:
         )
     lines += ["", _TABLE_HEAD, _TABLE_RULE]
     lines += [_run_row(run) for run in topo["runs"]]
+    spec = [(run["rate_rps"], _spec_decode(run["summary"])) for run in topo["runs"]]
+    if any(text for _, text in spec):
+        lines += ["", "Speculative decoding (`/metrics`):", ""]
+        lines += [f"- {rate:.3g} req/s{text}" for rate, text in spec if text]
     lines += _stage_table(topo)
     if "gateway_overhead" in topo:
         o = topo["gateway_overhead"]

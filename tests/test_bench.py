@@ -12,7 +12,9 @@ import httpx
 import numpy as np
 import pytest
 import yaml
+from prometheus_client import generate_latest
 
+from pdcluster.actors.messages import InstanceStats
 from pdcluster.benchmarks import bench, client, report, workload
 from pdcluster.benchmarks.client import PreparedRequest, RequestResult, run_load
 from pdcluster.benchmarks.metrics import (
@@ -23,6 +25,7 @@ from pdcluster.benchmarks.metrics import (
     summarize,
     vllm_result,
 )
+from pdcluster.benchmarks.spec_metrics import parse_spec_counters, spec_decode_delta
 from pdcluster.benchmarks.targets import expand_variants, load_variant
 from pdcluster.benchmarks.workload import (
     FIRST_ORDINARY_TOKEN_ID,
@@ -37,6 +40,8 @@ from pdcluster.benchmarks.workload import (
     window,
     with_images,
 )
+from pdcluster.cluster.api.metrics import GatewayMetrics
+from pdcluster.engine.spec_decode.metrics import SpecDecodingStats
 
 TRACE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
@@ -557,3 +562,32 @@ def test_own_threads_count_python_threads_but_not_an_actor_processs_main_thread(
     thread.start()
     thread.join(60)
     assert readings[0] >= 0.25
+
+
+def test_a_runs_drafts_are_read_from_metrics_under_vllms_names():
+    metrics = GatewayMetrics("m", max_model_len=64)
+
+    def counters(*drafts: SpecDecodingStats | None) -> dict[str, float]:
+        metrics.instances.snapshot = [
+            InstanceStats(f"D{i}", "decode", spec_decode=d) for i, d in enumerate(drafts)
+        ]
+        return parse_spec_counters(generate_latest(metrics.registry).decode())
+
+    before = counters(SpecDecodingStats(2, 8, 5, [2, 2, 1, 0]), None)
+    after = counters(SpecDecodingStats(4, 16, 9, [4, 3, 2, 0]), SpecDecodingStats(2, 8, 8, [2] * 4))
+    spec = spec_decode_delta(before, after)
+    assert spec == {
+        "num_drafts": 4,
+        "num_draft_tokens": 16,
+        "num_accepted_tokens": 12,
+        "acceptance_rate": 0.75,
+        "accepted_per_draft_by_position": [1.0, 0.75, 0.75, 0.5],
+    }
+    summary = {"num_ok": 1, "num_requests": 1, "output_tokens_per_s": 9.0, "spec_decode": spec}
+    summary |= {
+        "ttft_ms": {"p50": 1, "p90": 1, "p99": 1},
+        "tpot_ms": {"p50": 1, "p90": 1, "p99": 1},
+    }
+    assert "drafts: 12 of 16 tokens accepted (0.75)" in report.run_line("t", 1.0, summary)
+    assert spec_decode_delta(after, after) is None  # nothing drafted during the run
+    assert spec_decode_delta(None, after) is None  # /metrics unreadable
