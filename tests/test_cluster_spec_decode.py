@@ -106,3 +106,12 @@ def test_a_stream_moved_off_a_dead_d_goes_on_drafting(ray_session, model_dir, re
 
         assert wait_until(back, 120), cluster.stats()
         assert_clean(cluster, baseline)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_before_any_instance_starts(
+    ray_session, model_dir, preset_dir
+):
+    other = {"method": "draft_model", "model": preset_dir("tiny-qwen2")}
+    decode = speculating({**other, "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="another vocabulary than the target"):
+        start(model_dir, prefill=1, decode=decode)

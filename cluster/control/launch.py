@@ -34,6 +34,9 @@ from pdcluster.cluster.control.pool import (
     unplaceable,
 )
 from pdcluster.engine.presets import resolve_model_dir
+from pdcluster.engine.spec_decode.draft_model import draft_model_dir
+from pdcluster.engine.tokenizer import Tokenizer
+from pdcluster.routing.role import Role
 
 __all__ = ["Cluster", "TopologyDoesNotFit", "init_ray", "launch", "shutdown_pool"]
 
@@ -71,6 +74,7 @@ def launch(
         _check_fits(config)
     model = config.model or DEFAULT_MODEL
     model_dir = resolve_model_dir(model)  # the driver tokenizes, so it needs the files too
+    check_draft_models(config, model_dir)
     name = pool or f"pdc-{uuid.uuid4().hex[:6]}"
     client = PoolClient.start(PoolPlan(name, config, model), controller_name(name), detached)
     try:
@@ -84,6 +88,18 @@ def launch(
         config, model_dir, name, client, owns_ray, owned=pool is None,
         embedded_ray=embedded_ray and owns_ray,
     )  # fmt: skip
+
+
+def check_draft_models(config: ClusterConfig, model_dir: str) -> None:
+    """Each role's draft model (speculative method draft_model) exists and shares the
+    target's vocabulary: ValueError (FileNotFoundError) now, not from an instance that
+    fails to start."""
+    target = None
+    for role in Role:
+        spec = config.engine_config(role, model_dir).speculative
+        if spec is not None and spec.method == "draft_model":
+            target = target or Tokenizer(model_dir)
+            draft_model_dir(spec, target)
 
 
 def sized_for_this_machine(config: ClusterConfig) -> ClusterConfig:

@@ -49,6 +49,23 @@ class DraftModelProposer:
         return [DRAFT_PLACEHOLDER] * min(self.num_speculative_tokens, max_num_tokens)
 
 
+def draft_model_dir(config: SpeculativeConfig, target: Tokenizer) -> str:
+    """The draft model's checkpoint folder; ValueError when it does not share the target's
+    vocabulary (FileNotFoundError when there is none)."""
+    if config.model is None:
+        raise ValueError("speculative_config: method 'draft_model' needs 'model'")
+    try:
+        path = resolve_model_dir(config.model)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"speculative_config: the draft model: {exc}") from None
+    if not Tokenizer(path).has_vocabulary_of(target):
+        raise ValueError(
+            f"speculative_config: the draft model {config.model!r} has another vocabulary "
+            "than the target; a draft model must share the target's tokenizer"
+        )
+    return path
+
+
 def load_draft_model(
     config: SpeculativeConfig,
     target: Tokenizer,
@@ -57,15 +74,8 @@ def load_draft_model(
     device: torch.device,
 ) -> tuple[torch.nn.Module, ModelInfo, Precision]:
     """The draft model of `config` (in its quantization, else the target's) with its info
-    and precision; ValueError when it does not share the target's vocabulary."""
-    if config.model is None:
-        raise ValueError("speculative_config: method 'draft_model' needs 'model'")
-    path = resolve_model_dir(config.model)
-    if not Tokenizer(path).has_vocabulary_of(target):
-        raise ValueError(
-            f"speculative_config: the draft model {config.model!r} has another vocabulary "
-            "than the target; a draft model must share the target's tokenizer"
-        )
+    and precision."""
+    path = draft_model_dir(config, target)
     precision = Precision.resolve(dtype, config.quantization or target_quantization, device)
     model, info = load_model(path, device, precision.dtype)
     return model, info, precision
