@@ -13,8 +13,8 @@ Per request the runner's state counts the positions holding valid draft KV
 after them but the last (the prompt on a request's first decode step, e.g. after a P→D
 handoff or a preemption; after a step that accepted every draft, the last draft), then the
 last token and each draft it proposes, one decode pass each: K passes, all requests
-batched, greedy. After verification the valid positions are those
-the target keeps: an accepted draft is a token the draft model was fed.
+batched, greedy. After verification the valid positions are those the target keeps: an
+accepted draft is a token the draft model was fed.
 
 Drafts never change what a request emits (the target samples every position and a draft
 counts only where it equals that sample), so the drafter ignores sampling parameters, and
@@ -24,7 +24,7 @@ target itself included, drafts from text alone: a D has no image features after 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -45,7 +45,8 @@ class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens
 
-    def propose(self, token_ids: object, max_num_tokens: int) -> list[int]:
+    def propose(self, token_ids: Sequence[int], max_num_tokens: int) -> list[int]:
+        """As `NgramProposer.propose`, the drafts left to the runner."""
         return [DRAFT_PLACEHOLDER] * min(self.num_speculative_tokens, max_num_tokens)
 
 
