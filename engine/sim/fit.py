@@ -92,6 +92,7 @@ def _next_decode(first: SchedulerOutput, k: int) -> SchedulerOutput:
         [False] * len(req_ids),
         [None] * len(req_ids),
         [new.num_computed_tokens + k for new in first.scheduled_new_reqs],
+        [0] * len(req_ids),  # nothing trimmed: no drafts
     )
     return SchedulerOutput([], cached, dict.fromkeys(req_ids, 1), len(req_ids), {}, set(), [])
 
