@@ -182,6 +182,12 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads of this process; None: as started
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
+    @property
+    def draft_model(self) -> SpeculativeConfig | None:
+        """The speculative config when it drafts with a model (method draft_model)."""
+        spec = self.speculative
+        return spec if spec is not None and spec.method == "draft_model" else None
+
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
@@ -189,8 +195,7 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
             )
-        drafts_by_model = self.speculative is not None and self.speculative.method == "draft_model"
-        if drafts_by_model and self.tensor_parallel_size > 1:
+        if self.draft_model is not None and self.tensor_parallel_size > 1:
             raise ValueError(
                 "speculative_config: method 'draft_model' runs at tensor_parallel_size 1 "
                 f"only, got {self.tensor_parallel_size}"

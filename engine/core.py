@@ -101,16 +101,14 @@ class EngineCore:
             )  # fmt: skip
         model, self.model_info = load_model(config.model, self.device, self.dtype)
         runner_info = self._shard(config, model)
-        spec = config.speculative
         draft = None
-        if spec is not None and spec.method == "draft_model":
-            draft = load_draft_model(
-                spec, self.tokenizer, config.dtype, config.quantization, self.device
-            )
         infos, models = [runner_info], [model]
-        if draft is not None:
-            infos.append(draft[1])
-            models.append(draft[0])
+        if config.draft_model is not None:
+            draft = load_draft_model(
+                config.draft_model, self.tokenizer, config.dtype, config.quantization, self.device
+            )
+            infos.append(draft.info)
+            models.append(draft.model)
         self.runner_cache = size_cache(config.cache, infos, self.dtype, self.device, models)
         if self.tp is not None:
             self.tp.start_cache(self.runner_cache)
@@ -118,7 +116,7 @@ class EngineCore:
         drafter = None
         if draft is not None:
             vocab_size = self.model_info.vocab_size
-            drafter = Drafter(*draft, self.runner_cache, vocab_size, self.device)
+            drafter = Drafter(draft, self.runner_cache, vocab_size, self.device)
         runner = ModelRunner(
             model, runner_info, self.runner_cache, self.device, self.precision, self.grammars,
             self.tp, drafter,

@@ -96,8 +96,8 @@ def check_draft_models(config: ClusterConfig, model_dir: str) -> None:
     fails to start."""
     target = None
     for role in Role:
-        spec = config.engine_config(role, model_dir).speculative
-        if spec is not None and spec.method == "draft_model":
+        spec = config.engine_config(role, model_dir).draft_model
+        if spec is not None:
             target = target or Tokenizer(model_dir)
             draft_model_dir(spec, target)
 

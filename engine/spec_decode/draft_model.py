@@ -25,6 +25,7 @@ target itself included, drafts from text alone: a D has no image features after 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -67,19 +68,24 @@ def draft_model_dir(config: SpeculativeConfig, target: Tokenizer) -> str:
     return path
 
 
+class DraftModel(NamedTuple):
+    model: torch.nn.Module  # as loaded, not yet prepared for its precision
+    info: ModelInfo
+    precision: Precision
+
+
 def load_draft_model(
     config: SpeculativeConfig,
     target: Tokenizer,
     dtype: str,
     target_quantization: Quantization,
     device: torch.device,
-) -> tuple[torch.nn.Module, ModelInfo, Precision]:
-    """The draft model of `config` (in its quantization, else the target's) with its info
-    and precision."""
+) -> DraftModel:
+    """The draft model of `config`, in its quantization, else the target's."""
     path = draft_model_dir(config, target)
     precision = Precision.resolve(dtype, config.quantization or target_quantization, device)
     model, info = load_model(path, device, precision.dtype)
-    return model, info, precision
+    return DraftModel(model, info, precision)
 
 
 class Drafter:
@@ -87,19 +93,17 @@ class Drafter:
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        info: ModelInfo,
-        precision: Precision,
+        draft: DraftModel,
         cache: CacheConfig,  # the target's, its block count fixed
         vocab_size: int,  # the target's: draft ids at or above it are never proposed
         device: torch.device,
     ) -> None:
         if cache.num_blocks is None:
             raise ValueError("the drafter's cache follows a sized target cache")
-        prepare_model(model, precision, device)
-        self.model = model
+        prepare_model(draft.model, draft.precision, device)
+        self.model = draft.model
         self.kv_cache = allocate_kv_cache(
-            cache.num_blocks, cache.block_size, info, precision.dtype, device
+            cache.num_blocks, cache.block_size, draft.info, draft.precision.dtype, device
         )
         self.block_size = cache.block_size
         self.vocab_size = vocab_size
