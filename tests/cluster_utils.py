@@ -102,6 +102,33 @@ async def collect(cluster: Cluster, request: Request) -> RequestOutput:
     return result
 
 
+async def collect_acting(
+    cluster: Cluster, request: Request, num_tokens: int, act: Callable[[], Any]
+) -> tuple[RequestOutput, Any]:
+    """Stream `request` to its end, calling `act` once when the client holds `num_tokens`
+    tokens (e.g. to kill the instance streaming them); the output and what `act` returned
+    (None: the request ended first)."""
+    result, acted = new_request_output(request), None
+    async for out in cluster.stream(request):
+        merge_output(result, out)
+        if acted is None and len(result.token_ids) >= num_tokens:
+            acted = act()
+    return result, acted
+
+
+RESTART_TIMEOUT_S = 120.0  # a restarted instance loads its model again
+
+
+def wait_restarted(cluster: Cluster, instance_id: str, old_pid: int) -> None:
+    """Until the Front's pull loop sees the restarted instance as healthy again."""
+
+    def back() -> bool:
+        s = next(s for s in cluster.stats() if s.instance_id == instance_id)
+        return s.healthy and s.pid not in (None, old_pid)
+
+    assert wait_until(back, RESTART_TIMEOUT_S), cluster.stats()
+
+
 class Load:
     """Streams in flight on a cluster, their outputs so far readable at any time."""
 

@@ -25,22 +25,22 @@ import pytest
 import ray
 
 from pdcluster.actors.messages import InstanceStats
-from pdcluster.engine.llm import merge_output, new_request_output
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,
     collect,
+    collect_acting,
     handle,
     instance_stats,
     live_object_ids,
     random_image,
     start,
     until,
+    wait_restarted,
     wait_until,
 )
 
 LONG = dataclasses.replace(GREEDY, max_tokens=400)
-RESTART_TIMEOUT_S = 120.0  # a restarted instance loads its model again
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +83,6 @@ def kill(cluster, instance_id: str) -> int:
     pid = next(s.pid for s in cluster.stats() if s.instance_id == instance_id)
     ray.kill(cluster.instances[instance_id][1], no_restart=False)
     return pid
-
-
-def wait_restarted(cluster, instance_id: str, old_pid: int) -> None:
-    """Until the Front's pull loop sees the restarted instance as healthy again."""
-
-    def back() -> bool:
-        s = next(s for s in cluster.stats() if s.instance_id == instance_id)
-        return s.healthy and s.pid not in (None, old_pid)
-
-    assert wait_until(back, RESTART_TIMEOUT_S), cluster.stats()
 
 
 def instance_with(cluster, role: str, path: str) -> str | None:
@@ -149,16 +139,9 @@ def test_decode_killed_while_decoding(epd, baseline, reference):
     prompt = "Decode for a long time, then lose D"
     request = epd.make_request(prompt, LONG)
 
-    async def scenario():
-        result, pid = new_request_output(request), None
-        async for out in epd.stream(request):
-            merge_output(result, out)
-            if pid is None and len(result.token_ids) >= 3:  # D has streamed tokens
-                pid = kill(epd, decode_id)
-        return result, pid
-
     moves = epd.front.num_moves
-    out, pid = asyncio.run(scenario())
+    # after D has streamed tokens
+    out, pid = asyncio.run(collect_acting(epd, request, 3, lambda: kill(epd, decode_id)))
     assert pid is not None, "the request finished before D could be killed"
     assert out.finish_reason == "length"
     assert out.token_ids == reference(prompt, LONG).token_ids

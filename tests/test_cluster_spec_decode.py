@@ -11,16 +11,17 @@ import dataclasses
 import pytest
 import ray
 
-from pdcluster.engine.llm import merge_output, new_request_output
+from pdcluster.actors.messages import InstanceStats
 from tests.cluster_utils import (
     GREEDY,
     assert_clean,
+    collect_acting,
     instance_stats,
     live_object_ids,
     mixed_prompts,
     start,
     stats_by_id,
-    wait_until,
+    wait_restarted,
 )
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
@@ -78,19 +79,14 @@ def test_a_stream_moved_off_a_dead_d_goes_on_drafting(ray_session, model_dir, re
         baseline = live_object_ids()
         request = cluster.make_request(prompt, long)
 
-        async def scenario():
-            result, killed = new_request_output(request), None
-            async for out in cluster.stream(request):
-                merge_output(result, out)
-                if killed is None and len(result.token_ids) >= 3:  # D has streamed tokens
-                    stats = stats_by_id(cluster).values()
-                    killed = next(
-                        s for s in stats if s.role == "decode" and s.scheduler.num_running
-                    )
-                    ray.kill(cluster.instances[killed.instance_id][1], no_restart=False)
-            return result, killed
+        def kill_the_streaming_d() -> InstanceStats:
+            stats = stats_by_id(cluster).values()
+            killed = next(s for s in stats if s.role == "decode" and s.scheduler.num_running)
+            ray.kill(cluster.instances[killed.instance_id][1], no_restart=False)
+            return killed
 
-        out, killed = asyncio.run(scenario())
+        # after D has streamed tokens
+        out, killed = asyncio.run(collect_acting(cluster, request, 3, kill_the_streaming_d))
         assert killed is not None, "the request finished before D could be killed"
         assert (out.finish_reason, out.token_ids) == ("length", reference(prompt, long).token_ids)
         assert cluster.num_moves == 1
@@ -99,12 +95,7 @@ def test_a_stream_moved_off_a_dead_d_goes_on_drafting(ray_session, model_dir, re
             if s.role == "decode" and s.instance_id != killed.instance_id
         )  # fmt: skip
         assert survivor.spec_decode.num_accepted_tokens > 0
-
-        def back() -> bool:
-            stats = stats_by_id(cluster)[killed.instance_id]
-            return stats.healthy and stats.pid not in (None, killed.pid)
-
-        assert wait_until(back, 120), cluster.stats()
+        wait_restarted(cluster, killed.instance_id, killed.pid)
         assert_clean(cluster, baseline)
 
 
