@@ -195,7 +195,7 @@ def assert_clean(cluster: Cluster, baseline: set[str], timeout_s: float = 20.0) 
             live -= set(ray.get(pool.object_ids.remote()))
         return {o for o in live if not any(a in o for a in callee_ids)}
 
-    assert wait_until(lambda: not leaked(), timeout_s), _describe(leaked())
+    assert wait_until(lambda: not leaked(), timeout_s), _describe(leaked(), cluster)
 
 
 def kv_pool_actor(cluster: Cluster) -> ray.actor.ActorHandle | None:
@@ -206,17 +206,18 @@ def kv_pool_actor(cluster: Cluster) -> ray.actor.ActorHandle | None:
         return None
 
 
-def _describe(object_ids: set[str]) -> str:
+def _describe(object_ids: set[str], cluster: Cluster) -> str:
+    """The memory summary's lines for `object_ids`, and which instance each actor id in them
+    is (no state API: the test session runs without the dashboard)."""
     from ray._private.internal_api import memory_summary
-    from ray.util.state import list_actors
 
     summary = memory_summary(ray.get_runtime_context().gcs_address, line_wrap=False)
     lines = [line for line in summary.splitlines() if any(i in line for i in object_ids)]
-    actors = [  # who the pids and the actor ids in those object ids are
-        f"actor {a.actor_id} pid {a.pid} {a.class_name} {a.name} {a.state}"
-        for a in list_actors(limit=1000)
+    actors = [
+        f"actor {h._actor_id.hex()} is {instance_id} ({role})"
+        for instance_id, (role, h) in cluster.instances.items()
     ]
-    return "\n".join(lines + actors)
+    return "\n".join([f"leaked: {sorted(object_ids)}", *lines, *actors])
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
