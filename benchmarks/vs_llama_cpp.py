@@ -1,12 +1,19 @@
 """pdcluster against llama.cpp's `llama-server` on the same GGUF, one server up at a time.
 
-Three streaming `/v1/completions` loads, the same token counts on both servers (prompts are
-repeated words of the model's own tokenizer, every answer exactly --*-tokens long with
-`ignore_eos`):
+Streaming loads, the same token counts on both servers (every answer exactly as long as the
+load says, with `ignore_eos`). Three `/v1/completions` loads of repeated words of the model's
+own tokenizer:
 
 - one: 1 stream, a short prompt, 64 tokens (--one-requests requests one after another);
 - many: 32 streams at once, short prompts, 128 tokens;
-- prefill: 16 streams at once, ~480-token prompts, 64 tokens.
+- prefill: 16 streams at once, ~480-token prompts, 64 tokens;
+
+and two `/v1/chat/completions` loads of one stream, --one-requests requests one after another,
+--task-tokens tokens each, the tasks of `benchmarks.spec_decode` (where speculative decoding
+is measured: give a pdcluster variant `--speculative-config`):
+
+- annotate: return a short Python file with comments added (the answer repeats its input);
+- chat: explain something in free text.
 
 Each server is started, warmed up with one request, runs every load, and is stopped before the
 next starts (each server may use both cores). Printed per load: output tokens/s, mean
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -44,6 +52,7 @@ from typing import Any
 import httpx
 
 from pdcluster.benchmarks.report import loadavg
+from pdcluster.benchmarks.spec_decode import task
 from pdcluster.engine.config import DEFAULT_QUANTIZATION, QUANTIZATIONS
 from pdcluster.engine.presets import PACKAGED_MODELS, packaged_model_file, resolve_model_dir
 from pdcluster.engine.tokenizer import Tokenizer
@@ -58,8 +67,9 @@ class Load:
     name: str
     num_streams: int  # requests in flight at once
     num_requests: int
-    prompt_len: int  # tokens
+    prompt_len: int  # tokens (a chat task's prompt is the task's)
     output_len: int
+    task: str | None = None  # a chat task of benchmarks.spec_decode
 
 
 @dataclass(frozen=True)
@@ -74,11 +84,16 @@ def make_loads(args: argparse.Namespace) -> dict[str, Load]:
         "one": Load("one", 1, args.one_requests, 8, 64),
         "many": Load("many", 32, 32, 8, 128),
         "prefill": Load("prefill", 16, 16, 480, 64),
+        "annotate": Load("annotate", 1, args.one_requests, 0, args.task_tokens, "annotate"),
+        "chat": Load("chat", 1, args.one_requests, 0, args.task_tokens, "explain"),
     }
 
 
-def make_prompts(tokenizer: Tokenizer, load: Load, seed: int) -> list[str]:
-    """Texts of exactly `load.prompt_len` tokens (words chosen so that each is one token)."""
+def make_prompts(tokenizer: Tokenizer, load: Load, seed: int) -> list[str | list[dict]]:
+    """Texts of exactly `load.prompt_len` tokens (words chosen so that each is one token), or
+    a chat task's messages, each request numbered."""
+    if load.task is not None:
+        return [task(load.task, i) for i in range(load.num_requests)]
     rng = random.Random(seed)
     words = [w for w in WORDS if len(tokenizer.encode(" " + w)) == 1]
     return [
@@ -90,10 +105,12 @@ def make_prompts(tokenizer: Tokenizer, load: Load, seed: int) -> list[str]:
 async def _stream(
     client: httpx.AsyncClient, url: str, body: dict[str, Any]
 ) -> tuple[list[float], int | None]:
-    """Stream one completion: the arrival time of each chunk that carries text, and the output
-    token count of the usage chunk (None when the server sends none)."""
+    """Stream one completion (a chat completion when `body` has messages): the arrival time
+    of each chunk that carries text, and the output token count of the usage chunk (None
+    when the server sends none)."""
     arrivals, num_tokens = [], None
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    async with client.stream("POST", url + path, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for line in response.aiter_lines():
@@ -102,22 +119,26 @@ async def _stream(
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 num_tokens = chunk["usage"]["completion_tokens"]
-            if any(c.get("text") for c in chunk.get("choices", [])):
+            choices = chunk.get("choices", [])
+            if any(c.get("text") or c.get("delta", {}).get("content") for c in choices):
                 arrivals.append(time.perf_counter())
     return arrivals, num_tokens
 
 
-async def run_load(url: str, model: str, load: Load, prompts: list[str]) -> LoadResult:
+async def run_load(
+    url: str, model: str, load: Load, prompts: list[str] | list[list[dict]]
+) -> LoadResult:
     """Send `load`'s requests, `num_streams` at a time; tokens/s over the whole load."""
     slots = asyncio.Semaphore(load.num_streams)
     gaps: list[float] = []
     num_tokens = 0
 
-    async def one(client: httpx.AsyncClient, prompt: str) -> None:
+    async def one(client: httpx.AsyncClient, prompt: str | list[dict]) -> None:
         nonlocal num_tokens
         body = {
-            "model": model, "prompt": prompt, "max_tokens": load.output_len, "temperature": 0,
+            "model": model, "max_tokens": load.output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "messages" if load.task else "prompt": prompt,
         }  # fmt: skip
         async with slots:
             arrivals, counted = await _stream(client, url, body)
@@ -160,7 +181,7 @@ def stop(proc: subprocess.Popen) -> None:
 def server_commands(args: argparse.Namespace, gguf: Path) -> dict[str, list[str]]:
     max_streams = max(load.num_streams for load in make_loads(args).values())
     serve = [
-        sys.executable, "-m", "cluster", "serve", "--model", args.model, "--prefills", "1",
+        sys.executable, "-m", "pdcluster.cluster", "serve", "--model", args.model, "--prefills", "1",
         "--decodes", "1", "--port", str(args.port), "--quantization", args.quantization,
     ]  # fmt: skip
     commands = {
@@ -189,10 +210,11 @@ def bench_server(
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_ready(url, proc)
-        warm = Load("warm-up", 1, 1, 8, 8)
-        asyncio.run(run_load(url, args.model, warm, prompts[next(iter(prompts))][:1]))
-        results = {}
         loads = make_loads(args)
+        first = next(iter(prompts))
+        warm = dataclasses.replace(loads[first], num_streams=1, num_requests=1, output_len=8)
+        asyncio.run(run_load(url, args.model, warm, prompts[first][:1]))
+        results = {}
         for load_name in args.loads:
             result = asyncio.run(run_load(url, args.model, loads[load_name], prompts[load_name]))
             results[load_name] = result
@@ -214,8 +236,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=DEFAULT_QUANTIZATION)
     p.add_argument(
         "--loads", type=lambda s: s.split(","), default=["one", "many", "prefill"],
-        help="comma list of one, many, prefill",
+        help="comma list of one, many, prefill, annotate, chat",
     )  # fmt: skip
+    p.add_argument("--task-tokens", type=int, default=256, help="tokens per chat-task answer")
     p.add_argument(
         "--variant", action="append", default=[],
         help="serve flags of one more pdcluster server (repeatable)",

@@ -140,8 +140,16 @@ class KVConnectorBase(ABC):
         blocks until the request id is reported in `finished_sending`."""
 
     # ---- worker side ----------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:  # noqa: B027
-        """The instance's KV pool, [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
+    def register_kv_caches(  # noqa: B027
+        self, kv_caches: torch.Tensor, draft_kv_cache: torch.Tensor | None = None
+    ) -> None:
+        """The instance's KV pool, [num_blocks, num_layers, 2, block_size, kv_heads, head_dim],
+        and its draft model's, in the same blocks (speculative method draft_model)."""
+
+    def take_loaded_draft_tokens(self, request_id: str) -> int:
+        """Tokens of `request_id` whose draft-model KV was loaded with the target's (asked
+        once, when the request is first scheduled after its load); 0 when none was."""
+        return 0
 
     def register_head_shards(self, shards: HeadShardedKV) -> None:
         """A tensor-parallel instance's whole-block view of its pool (after

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase, KVTransferParams
 from pdcluster.connectors.stats import KVConnectorStats
 from pdcluster.engine.request import Request
@@ -66,9 +68,14 @@ class MultiKVConnector(KVConnectorBase):
         return delay_free, params
 
     # ---- worker side ----------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: Any) -> None:
+    def register_kv_caches(
+        self, kv_caches: torch.Tensor, draft_kv_cache: torch.Tensor | None = None
+    ) -> None:
         for connector in self.connectors:
-            connector.register_kv_caches(kv_caches)
+            connector.register_kv_caches(kv_caches, draft_kv_cache)
+
+    def take_loaded_draft_tokens(self, request_id: str) -> int:
+        return max(c.take_loaded_draft_tokens(request_id) for c in self.connectors)
 
     def register_head_shards(self, shards: HeadShardedKV) -> None:
         for connector in self.connectors:

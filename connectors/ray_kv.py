@@ -106,6 +106,7 @@ class RayKVConnector(KVConnectorBase):
         self._new_loads: list[RayKVLoad] = []
         self._inflight: dict[str, RayKVLoad] = {}
         self._failed: set[str] = set()
+        self._draft_loaded: dict[str, int] = {}  # landed with draft KV: its tokens
         self._counters = dict.fromkeys(_LOAD_COUNTERS, 0)
         self._load_ms = Latency()  # start_load_kv -> copied into our blocks
 
@@ -118,8 +119,10 @@ class RayKVConnector(KVConnectorBase):
         return self.role in ("consumer", "both")
 
     # ---- worker side: pool ---------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
-        self._blocks = BlockArrays(kv_caches, self.block_size)
+    def register_kv_caches(
+        self, kv_caches: torch.Tensor, draft_kv_cache: torch.Tensor | None = None
+    ) -> None:
+        self._blocks = BlockArrays(kv_caches, self.block_size, draft_kv_cache)
 
     def register_head_shards(self, shards: HeadShardedKV) -> None:
         self._block_arrays().use_head_shards(shards)  # whole blocks, whatever either side's TP
@@ -137,6 +140,7 @@ class RayKVConnector(KVConnectorBase):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, KVTransferParams | None]:
         self._claimed.discard(request.request_id)
+        self._draft_loaded.pop(request.request_id, None)
         if not self.is_producer:
             return False, None
         return self._producer.request_finished(request, block_ids)
@@ -227,6 +231,9 @@ class RayKVConnector(KVConnectorBase):
             raise KVLoadError(f"{len(block_ids)} blocks allocated, {end} needed")
         segments = plan_segments(handle.run_lengths, first, list(block_ids[first:end]))
         nbytes = handle.nbytes * (end - first) // handle.num_blocks
+        draft = handle.draft_layout
+        with_draft = draft is not None and self._blocks is not None
+        with_draft = with_draft and draft == self._blocks.draft_layout
         return RayKVLoad(
             request.request_id,
             params.remote_engine_id,
@@ -235,6 +242,8 @@ class RayKVConnector(KVConnectorBase):
             segments,
             nbytes,
             num_tokens=num_external,
+            num_runs=len(handle.run_lengths),
+            num_draft_tokens=num_tokens if with_draft else 0,
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> RayKVConnectorMetadata:
@@ -280,7 +289,8 @@ class RayKVConnector(KVConnectorBase):
         """Copy a fetched object into the request's blocks and ack; False when it failed."""
         try:
             arrays = load.future.result()
-            self._block_arrays().copy_in(arrays, load.segments)
+            with_draft = load.num_draft_tokens > 0
+            self._block_arrays().copy_in(arrays, load.segments, load.num_runs, with_draft)
         except (RayError, ValueError, TypeError, IndexError, RuntimeError) as e:
             self._fail(load.request_id, KVLoadError(f"{type(e).__name__}: {e}"))
             return False
@@ -289,6 +299,8 @@ class RayKVConnector(KVConnectorBase):
         self._load_ms.add((self._clock() - load.started_s) * 1e3)
         self._counters["num_loads"] += 1
         self._counters["bytes_received"] += load.nbytes
+        if load.num_draft_tokens:
+            self._draft_loaded[load.request_id] = load.num_draft_tokens
         self._ack(load.request_id, load.remote_engine_id, load.remote_request_id)
         return True
 
@@ -303,6 +315,10 @@ class RayKVConnector(KVConnectorBase):
         self._failed.add(request_id)
         self._counters["num_failed_loads"] += 1
 
+    def take_loaded_draft_tokens(self, request_id: str) -> int:
+        """Tokens of `request_id` whose draft KV landed with the target's (once)."""
+        return self._draft_loaded.pop(request_id, 0)
+
     def get_failed_loads(self) -> set[str]:
         failed, self._failed = self._failed, set()
         return failed
@@ -314,6 +330,7 @@ class RayKVConnector(KVConnectorBase):
         self._inflight.clear()
         self._failed.clear()
         self._claimed.clear()
+        self._draft_loaded.clear()
         self._producer.clear()
 
     def stats(self) -> KVConnectorStats:

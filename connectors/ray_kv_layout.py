@@ -36,6 +36,9 @@ class RayKVHandle(KVHandle):
     block_shape: tuple[int, ...]  # [num_layers, 2, block_size, num_kv_heads, head_dim]
     dtype: str  # the pool's torch dtype, e.g. "torch.float32"
     nbytes: int  # bytes of the object's arrays
+    # A producer that drafts (speculative method draft_model): its draft model's block layout;
+    # the object's arrays are the target's runs, then the draft's same runs.
+    draft_layout: tuple[tuple[int, ...], str] | None = None
 
     def released(self) -> RayKVHandle:
         return replace(self, ref=None)
@@ -50,6 +53,15 @@ class RayKVHandle(KVHandle):
             raise KVLoadError(f"handle block_shape {self.block_shape} is not 5-dimensional")
         if not isinstance(self.dtype, str) or not isinstance(self.nbytes, int):
             raise KVLoadError("handle needs a dtype string and an integer nbytes")
+        if self.draft_layout is not None:
+            if not isinstance(self.draft_layout, tuple) or len(self.draft_layout) != 2:
+                raise KVLoadError("handle draft_layout must be (block_shape, dtype)")
+            shape, dtype = self.draft_layout
+            _check_ints(shape, "draft_layout block shape")
+            if len(shape) != 5 or shape[2] != self.block_shape[2] or not isinstance(dtype, str):
+                raise KVLoadError(
+                    f"handle draft_layout {self.draft_layout} does not fit its blocks"
+                )
 
     @property
     def num_blocks(self) -> int:
@@ -108,6 +120,10 @@ class RayKVLoad:
     segments: list[tuple[int, int, int, int]]
     nbytes: int
     num_tokens: int = 0
+    num_runs: int = 0  # the target's arrays in the object (the draft's follow them)
+    # The object's draft KV (for tokens [0, this)) goes into our draft's blocks: the producer
+    # drafts with a model of our draft's layout. 0: only the target's KV is copied.
+    num_draft_tokens: int = 0
     started_s: float = 0.0
     ready_s: float = 0.0  # not reported finished before (a simulated link's arrival)
     future: concurrent.futures.Future | None = None
@@ -160,9 +176,14 @@ def plan_segments(
 
 class BlockArrays:
     """An instance's KV pool as the arrays objects carry: views over runs of consecutive
-    blocks to publish (no gather copy on a CPU pool), and copies of fetched runs into blocks."""
+    blocks to publish (no gather copy on a CPU pool), and copies of fetched runs into blocks.
 
-    def __init__(self, kv_caches: torch.Tensor, block_size: int) -> None:
+    With a draft model (speculative method draft_model) the draft's KV cache follows the
+    target's blocks (engine.spec_decode.draft_model): its runs travel after the target's."""
+
+    def __init__(
+        self, kv_caches: torch.Tensor, block_size: int, draft_kv_cache: torch.Tensor | None = None
+    ) -> None:
         if kv_caches.dim() != 6 or kv_caches.shape[3] != block_size:
             raise ValueError(
                 f"KV pool must be [num_blocks, num_layers, 2, {block_size}, kv_heads, "
@@ -176,10 +197,13 @@ class BlockArrays:
         self.block_shape: tuple[int, ...] = tuple(self.tensor.shape[1:])
         self.block_nbytes = self.tensor[0].numel() * self.tensor.element_size()
         self._shards: HeadShardedKV | None = None
+        self.draft = None if draft_kv_cache is None else BlockArrays(draft_kv_cache, block_size)
 
     def use_head_shards(self, shards: HeadShardedKV) -> None:
         """A tensor-parallel instance (this pool holds rank 0's heads): objects carry whole
         blocks, every rank's heads, so either side of a handoff may run at any TP size."""
+        if self.draft is not None:
+            raise ValueError("a tensor-parallel instance has no draft model")
         self._shards = shards
         self.block_shape = tuple(shards.block_shape)
         self.block_nbytes = math.prod(self.block_shape) * self.tensor.element_size()
@@ -188,11 +212,16 @@ class BlockArrays:
     def layout(self) -> tuple[tuple[int, ...], str]:
         return self.block_shape, self.dtype
 
+    @property
+    def draft_layout(self) -> tuple[tuple[int, ...], str] | None:
+        return None if self.draft is None else self.draft.layout
+
     def runs(
         self, block_ids: list[int], owned: bool = False
     ) -> tuple[list[np.ndarray], tuple[int, ...]]:
-        """One array [run_len, *block_shape] per run of consecutive ids, and the run lengths.
-        `owned`: arrays that never alias the blocks (read after the blocks are reused)."""
+        """One array [run_len, *block_shape] per run of consecutive ids, then the draft's
+        for the same runs (with a draft model), and the run lengths. `owned`: arrays that
+        never alias the blocks (read after the blocks are reused)."""
         runs = consecutive_runs(block_ids)
         if self._shards is not None:  # every rank's heads, gathered on this rank
             read = self._shards.read_blocks
@@ -202,10 +231,24 @@ class BlockArrays:
             arrays = [a.copy() for a in arrays] if owned else arrays
         else:  # device pool: stage each run through host memory
             arrays = [self.tensor[s : s + n].cpu().numpy() for s, n in runs]
+        if self.draft is not None:
+            arrays += self.draft.runs(block_ids, owned)[0]
         return arrays, tuple(n for _, n in runs)
 
-    def copy_in(self, arrays: list[np.ndarray], segments: list[tuple[int, int, int, int]]) -> None:
-        """Copy (array_index, src_row, dst_block, count) segments of `arrays` into blocks."""
+    def copy_in(
+        self,
+        arrays: list[np.ndarray],
+        segments: list[tuple[int, int, int, int]],
+        num_runs: int,
+        with_draft: bool,
+    ) -> None:
+        """Copy (array_index, src_row, dst_block, count) segments of `arrays[:num_runs]` into
+        blocks and, `with_draft`, of the draft's runs after them into the draft's blocks."""
+        if with_draft:
+            if self.draft is None or len(arrays) != 2 * num_runs:
+                raise ValueError("the object carries no draft KV for this pool")
+            self.draft.copy_in(arrays[num_runs:], segments, num_runs, False)
+        arrays = arrays[:num_runs]
         for array_idx, src, dst, count in segments:
             source = arrays[array_idx][src : src + count]  # [count, *block_shape]
             if source.shape != (count, *self.block_shape):

@@ -27,10 +27,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import ray
+import torch
 from ray.exceptions import RayError
 
 from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase, KVTransferParams
@@ -63,14 +64,23 @@ class _Hit:
     first_block: int
 
 
+class PoolPart(NamedTuple):
+    """One pool object a load reads: its ref, its number of runs (arrays), and
+    (array_index, src_row, dst_block, count) copies."""
+
+    ref: Any
+    num_runs: int
+    segments: list[tuple[int, int, int, int]]
+
+
 @dataclass
 class PoolLoad:
-    """One request's load: per part, its object and (array_index, src_row, dst_block, count)."""
+    """One request's load, part by part."""
 
     request_id: str
     lookup_id: int
     first_block: int  # the request's first block it fills
-    parts: list[tuple[Any, list[tuple[int, int, int, int]]]]
+    parts: list[PoolPart]
     nbytes: int
     started_s: float = 0.0
     futures: list[Any] = field(default_factory=list)
@@ -107,14 +117,22 @@ class RayKVPoolConnector(KVConnectorBase):
         self._publisher = concurrent.futures.ThreadPoolExecutor(1, "kv-pool-publish")
         self._publishing: list[concurrent.futures.Future] = []  # in submission order
 
-    def register_kv_caches(self, kv_caches: Any) -> None:
+    def register_kv_caches(
+        self, kv_caches: torch.Tensor, draft_kv_cache: torch.Tensor | None = None
+    ) -> None:
+        """Entries carry the target's KV only, so that instances with and without a draft
+        model share them (a draft model catches a loaded prefix up itself)."""
         self._blocks = BlockArrays(kv_caches, self.block_size)
-        self._layout = f"{list(self._blocks.block_shape)}:{self._blocks.dtype}"
+        self._layout = self._layout_key()
 
     def register_head_shards(self, shards: HeadShardedKV) -> None:
         """Entries hold whole blocks: instances at any TP size share them."""
         self._block_arrays().use_head_shards(shards)
-        self._layout = f"{list(self._blocks.block_shape)}:{self._blocks.dtype}"
+        self._layout = self._layout_key()
+
+    def _layout_key(self) -> str:
+        blocks = self._block_arrays()
+        return f"{list(blocks.block_shape)}:{blocks.dtype}"
 
     # ---- scheduler side: lookup -----------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -193,7 +211,7 @@ class RayKVPoolConnector(KVConnectorBase):
             if lo < hi:
                 row = part.first_row + lo - block
                 segments = plan_segments(part.run_lengths, row, list(block_ids[lo:hi]))
-                parts.append((part.refs[0], segments))
+                parts.append(PoolPart(part.refs[0], len(part.run_lengths), segments))
             block += part.num_blocks
         nbytes = (end - first) * nbytes_per_block
         return PoolLoad(rid, found.hit.lookup_id, first, parts, nbytes)
@@ -208,13 +226,13 @@ class RayKVPoolConnector(KVConnectorBase):
         to resolve (a fraction of a ms), never for a transfer."""
         if not isinstance(metadata, list) or not metadata:
             return
-        refs = list(dict.fromkeys(ref for load in metadata for ref, _ in load.parts))
+        refs = list(dict.fromkeys(part.ref for load in metadata for part in load.parts))
         local = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)[0])
         local_futures = []
         for load in metadata:
             load.started_s = self._clock()
-            load.futures = [ref.future() for ref, _ in load.parts]
-            local_futures += [f for (ref, _), f in zip(load.parts, load.futures) if ref in local]
+            load.futures = [part.ref.future() for part in load.parts]
+            local_futures += [f for p, f in zip(load.parts, load.futures) if p.ref in local]
             self._inflight[load.request_id] = load
         concurrent.futures.wait(local_futures, timeout=LOCAL_RESOLVE_TIMEOUT_S)
 
@@ -237,8 +255,8 @@ class RayKVPoolConnector(KVConnectorBase):
     def _land(self, load: PoolLoad) -> bool:
         blocks = self._block_arrays()
         try:
-            for future, (_, segments) in zip(load.futures, load.parts, strict=True):
-                blocks.copy_in(future.result(), segments)
+            for future, part in zip(load.futures, load.parts, strict=True):
+                blocks.copy_in(future.result(), part.segments, part.num_runs, False)
         except (RayError, ValueError, TypeError, IndexError, RuntimeError) as e:
             self._fail(load, f"{type(e).__name__}: {e}")
             return False

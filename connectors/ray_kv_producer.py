@@ -111,7 +111,9 @@ class RayKVProducer:
             self._sends[request_id] = _PendingSend(ref, time.monotonic() + self.lease_s, nbytes)
             self.counters["num_sends"] += 1
             self.counters["bytes_sent"] += nbytes
-        return RayKVHandle(ref, run_lengths, blocks.block_shape, blocks.dtype, nbytes)
+        return RayKVHandle(
+            ref, run_lengths, blocks.block_shape, blocks.dtype, nbytes, blocks.draft_layout
+        )
 
     def ack(self, request_id: str) -> None:
         """The consumer has read `request_id`: the object is dropped now, the blocks are

@@ -76,7 +76,8 @@ class EngineCore:
         self.kv_connector = kv_connector
         self.ec_connector = ec_connector
         if kv_connector is not None:
-            kv_connector.register_kv_caches(self.runner.kv_cache)
+            draft_kv = None if self.drafter is None else self.drafter.kv_cache
+            kv_connector.register_kv_caches(self.runner.kv_cache, draft_kv)
             if self.tp is not None:
                 kv_connector.register_head_shards(self.tp)
             if isinstance(self.runner, SimRunner):
@@ -85,7 +86,9 @@ class EngineCore:
 
     def _make_runner(self, config: EngineConfig) -> ModelRunner | SimRunner:
         """The real runner, or a simulated one for a `sim:` folder; sets `model_info`,
-        `grammars` and `runner_cache` (the cache config with its block count fixed)."""
+        `grammars`, `runner_cache` (the cache config with its block count fixed) and
+        `drafter` (the draft model's, speculative method draft_model)."""
+        self.drafter: Drafter | None = None
         if self.sim_profile is not None:
             if config.speculative is not None:
                 raise ValueError(
@@ -113,13 +116,12 @@ class EngineCore:
         if self.tp is not None:
             self.tp.start_cache(self.runner_cache)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_info.vocab_size)
-        drafter = None
         if draft is not None:
             vocab_size = self.model_info.vocab_size
-            drafter = Drafter(draft, self.runner_cache, vocab_size, self.device)
+            self.drafter = Drafter(draft, self.runner_cache, vocab_size, self.device)
         runner = ModelRunner(
             model, runner_info, self.runner_cache, self.device, self.precision, self.grammars,
-            self.tp, drafter,
+            self.tp, self.drafter,
         )  # fmt: skip
         if self.tp is not None:
             self.tp.attach_kv_cache(runner.kv_cache, self.model_info.num_kv_heads)
@@ -246,7 +248,8 @@ class EngineCore:
         if self.ec_connector is not None:
             stats["ec"] = self.ec_connector.stats()
         if self.scheduler.speculation is not None:
-            stats["spec_decode"] = self.scheduler.speculation.stats.snapshot()
+            caught_up = 0 if self.drafter is None else self.drafter.num_catch_up_tokens
+            stats["spec_decode"] = self.scheduler.speculation.stats.snapshot(caught_up)
         return stats
 
     # ---- one step --------------------------------------------------------------------

@@ -60,6 +60,7 @@ class CachedRequestState:
     # speculative method draft_model: positions [0, this) hold valid draft KV, as far as
     # the target's KV is valid too (engine.spec_decode.draft_model)
     num_draft_computed: int = 0
+    sends_kv: bool = False  # see NewRequestData.sends_kv
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -150,6 +151,8 @@ class ModelRunner:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             num_prompt_tokens=len(new.prompt_token_ids) - new.num_prior_output_tokens,
+            num_draft_computed=new.num_draft_computed_tokens,
+            sends_kv=new.sends_kv,
         )
         if new.sampling_params.has_penalties:
             state = self.requests[new.req_id]
@@ -178,8 +181,12 @@ class ModelRunner:
             self.device,
         )
         drafts = so.scheduled_spec_decode_tokens
-        if self.drafter is not None and drafts:
-            drafts = self.drafter.propose(self.requests, drafts)
+        if self.drafter is not None:
+            # a prompt whose KV is sent: the draft's KV computed beside, and sent with it
+            sent = [(s, s.num_computed_tokens + n) for s, n in zip(states, num_scheduled)]
+            self.drafter.follow([(s, end) for s, end in sent if s.sends_kv])
+            if drafts:
+                drafts = self.drafter.propose(self.requests, drafts)
         input_ids: list[int] = []
         for s, n in zip(states, num_scheduled):
             draft = drafts.get(s.req_id, ())

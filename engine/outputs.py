@@ -49,6 +49,12 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     num_prior_output_tokens: int = 0  # see Request.num_prior_output_tokens
+    # Speculative method draft_model: positions [0, this) hold the draft model's KV, loaded
+    # with the target's from a producer that drafts (engine.spec_decode.draft_model).
+    num_draft_computed_tokens: int = 0
+    # Its prompt's KV goes to a consumer (do_remote_decode): a draft model computes its own
+    # KV for the prompt beside the target's, and it travels with the target's.
+    sends_kv: bool = False
 
 
 @dataclass

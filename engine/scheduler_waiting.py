@@ -155,6 +155,8 @@ class WaitingAdmission:
         if request.status == RequestStatus.PREEMPTED:
             st.add_cached(rid, True, block_ids, request.num_computed_tokens)
         else:
+            connector = None if self.remote_kv is None else self.remote_kv.connector
+            params = request.kv_transfer_params
             st.new_reqs.append(
                 NewRequestData(
                     rid,
@@ -164,6 +166,8 @@ class WaitingAdmission:
                     block_ids,
                     request.num_computed_tokens,
                     request.num_prior_output_tokens,
+                    connector.take_loaded_draft_tokens(rid) if connector is not None else 0,
+                    params is not None and params.do_remote_decode,
                 )
             )
         request.status = RequestStatus.RUNNING

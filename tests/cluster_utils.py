@@ -186,7 +186,7 @@ def assert_clean(cluster: Cluster, baseline: set[str], timeout_s: float = 20.0) 
     # handle, or an entry of the KV pool is no leak: an actor call's object id holds the actor's.
     pool = kv_pool_actor(cluster)
     callees = [cluster.controller, *(h for _, h in cluster.instances.values())]
-    callee_ids = [h._actor_id.hex() for h in callees + ([pool] if pool is not None else [])]
+    callee_ids = [h._actor_id.hex() for h in callees] + list(cluster_actors(cluster))
 
     def leaked() -> set[str]:
         since = time.monotonic()
@@ -195,7 +195,7 @@ def assert_clean(cluster: Cluster, baseline: set[str], timeout_s: float = 20.0) 
             live -= set(ray.get(pool.object_ids.remote()))
         return {o for o in live if not any(a in o for a in callee_ids)}
 
-    assert wait_until(lambda: not leaked(), timeout_s), _describe(leaked(), cluster)
+    assert wait_until(lambda: not leaked(), timeout_s), _describe(leaked())
 
 
 def kv_pool_actor(cluster: Cluster) -> ray.actor.ActorHandle | None:
@@ -206,17 +206,33 @@ def kv_pool_actor(cluster: Cluster) -> ray.actor.ActorHandle | None:
         return None
 
 
-def _describe(object_ids: set[str], cluster: Cluster) -> str:
-    """The memory summary's lines for `object_ids`, and which instance each actor id in them
-    is (no state API: the test session runs without the dashboard)."""
+def named_actors(prefix: str = "") -> dict[str, str]:
+    """Actor id (hex) -> name of every live named actor whose name starts with `prefix`, in
+    every namespace."""
+    found = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].startswith(prefix):
+            try:
+                actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
+            except ValueError:  # gone since listed
+                continue
+            found[actor._actor_id.hex()] = entry["name"]
+    return found
+
+
+def cluster_actors(cluster: Cluster) -> dict[str, str]:
+    """The cluster's named actors (its pool's names): controller, instances, KV pool."""
+    return named_actors(f"{cluster.pool}-")
+
+
+def _describe(object_ids: set[str]) -> str:
+    """The memory summary's lines for `object_ids`, and the named actors (whose ids are in
+    the ids of calls to them); no state API: the test session runs without the dashboard."""
     from ray._private.internal_api import memory_summary
 
     summary = memory_summary(ray.get_runtime_context().gcs_address, line_wrap=False)
     lines = [line for line in summary.splitlines() if any(i in line for i in object_ids)]
-    actors = [
-        f"actor {h._actor_id.hex()} is {instance_id} ({role})"
-        for instance_id, (role, h) in cluster.instances.items()
-    ]
+    actors = [f"actor {i} is {name}" for i, name in named_actors().items()]
     return "\n".join([f"leaked: {sorted(object_ids)}", *lines, *actors])
 
 

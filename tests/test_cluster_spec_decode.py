@@ -1,7 +1,8 @@
 """Speculative decoding in the cluster: a D (or a mixed instance) that drafts, with n-gram
 lookup or with a draft model, streams exactly the tokens of colocated serving without
-drafts, from its first step after the P→D handoff (which carries the target's KV only: D's
-draft model catches the prompt up itself), and frees every block it drafted into."""
+drafts, from its first step after the P→D handoff, and frees every block it drafted into. A
+P that drafts too computes its draft model's KV for the prompt and the handoff carries it;
+else D's draft model catches the prompt up itself."""
 
 from __future__ import annotations
 
@@ -66,6 +67,28 @@ def test_drafting_instances_stream_colocated_tokens(
         assert drafts.num_accepted_tokens > 0  # the tiny model repeats itself: drafts land
         if role == "decode":
             assert instance_stats(cluster, "prefill").spec_decode is None  # set on D only
+            if method == "draft_model":  # P sent no draft KV: D caught every prompt up
+                lengths = [len(cluster.make_request(p, LONG).prompt_token_ids) for p in prompts]
+                assert drafts.num_catch_up_tokens >= sum(lengths)
+        assert_clean(cluster, baseline)
+
+
+def test_a_p_that_drafts_hands_d_its_draft_kv(ray_session, model_dir, reference):
+    """P and D draft with the float32 target itself: D drafts from the draft KV P computed
+    beside the prompt's (no catch-up but the one token a fully accepted step leaves), and
+    every draft is accepted, which a stale or misplaced draft KV would not be."""
+    exact_self = {**self_draft(model_dir), "quantization": None}
+    drafting = speculating(exact_self)
+    prompts = mixed_prompts(with_images=False)  # the drafter reads no image
+    with start(model_dir, prefill=drafting, decode=drafting) as cluster:
+        baseline = live_object_ids()
+        outputs = cluster.generate(prompts, LONG)
+        for prompt, out in zip(prompts, outputs):
+            assert out.token_ids == reference(prompt, LONG).token_ids
+        drafts = instance_stats(cluster, "decode").spec_decode
+        assert drafts.num_drafts > 0 and drafts.num_accepted_tokens == drafts.num_draft_tokens
+        assert drafts.num_catch_up_tokens <= drafts.num_drafts  # no prompt caught up on D
+        assert instance_stats(cluster, "prefill").spec_decode.num_drafts == 0
         assert_clean(cluster, baseline)
 
 

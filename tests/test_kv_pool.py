@@ -218,6 +218,23 @@ def test_a_small_pool_evicts_the_least_recently_used(preset_dir, make_pool, refe
     assert_all_free(reader)
 
 
+def test_instances_with_and_without_a_draft_model_share_entries(preset_dir, make_pool, reference):
+    """Entries hold the target's KV only: an instance with a draft model (speculative method
+    draft_model) reads a plain one's, and its draft model catches the loaded prefix up."""
+    path, pool = preset_dir("tiny-llama"), make_pool()
+    run(pooled_llm(path, pool), PROMPT)
+    assert wait_until(lambda: pool_stats(pool).num_entries == 1)
+    drafting = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    reader = pooled_llm(path, pool, speculative_config=drafting)
+    out = run(reader, [*PROMPT, 1])
+    assert out.outputs[0].token_ids == reference([*PROMPT, 1])
+    assert out.num_cached_tokens > 0 and pool_use(reader).hits == 1
+    drafts = reader.engine.stats()["spec_decode"]  # the target drafting for itself
+    assert drafts.num_accepted_tokens == drafts.num_draft_tokens > 0
+    assert drafts.num_catch_up_tokens >= out.num_cached_tokens
+    assert_all_free(reader)
+
+
 def test_an_object_lost_mid_load_means_recompute_and_a_lost_owner_misses(
     preset_dir, make_pool, reference
 ):
@@ -230,7 +247,7 @@ def test_an_object_lost_mid_load_means_recompute_and_a_lost_owner_misses(
 
     def objects_lost_first(metadata):  # the hit was answered; its objects are gone now
         for load in metadata or ():
-            load.parts = [(lost_object(), segments) for _, segments in load.parts]
+            load.parts = [part._replace(ref=lost_object()) for part in load.parts]
         start_load_kv(metadata)
 
     connector.start_load_kv = objects_lost_first

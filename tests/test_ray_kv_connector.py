@@ -175,6 +175,49 @@ def test_bf16_pool_round_trip(ray):
     assert torch.equal(consumer._blocks.tensor[5], producer._blocks.tensor[1])
 
 
+# ---- a draft model's KV (speculative method draft_model) -------------------------------------
+def draft_pool(num_blocks: int, seed: int | None = None, num_layers: int = 1) -> torch.Tensor:
+    shape = (num_blocks, num_layers, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    if seed is None:
+        return torch.zeros(shape)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    ("producer_draft", "consumer_draft", "carried"),
+    [(1, 1, True), (1, None, False), (None, 1, False), (2, 1, False)],
+    ids=["both-draft", "only-producer", "only-consumer", "other-draft-layout"],
+)
+def test_draft_kv_travels_with_the_target_kv_where_both_sides_draft_alike(
+    ray, producer_draft, consumer_draft, carried
+):
+    """A producer that drafts publishes its draft model's blocks after the target's; a
+    consumer whose draft has the same layout copies them into its draft blocks and reports
+    the tokens once, any other consumer copies the target's only and reports none."""
+    producer = RayKVConnector("prefill-0", "producer", BLOCK_SIZE)
+    p_draft = None if producer_draft is None else draft_pool(16, 5, producer_draft)
+    producer.register_kv_caches(make_pool(16, 0), p_draft)
+    consumer = RayKVConnector("decode-0", "consumer", BLOCK_SIZE, ack_sender=AckLog())
+    c_draft = None if consumer_draft is None else draft_pool(12, None, consumer_draft)
+    consumer.register_kv_caches(make_pool(12), c_draft)
+
+    num_prompt = 3 * BLOCK_SIZE - 1
+    src_blocks, dst_blocks = [7, 8, 2], [5, 1, 9, 0]
+    _, params = producer.request_finished(finished_prefill("p1", num_prompt), src_blocks)
+    assert (params.handle.draft_layout is not None) == (producer_draft is not None)
+    request = make_request("d1", num_prompt + 1, params)
+    assert load(consumer, request, dst_blocks)[0] == "landed"
+
+    for src, dst in zip(src_blocks, dst_blocks[:3]):
+        assert torch.equal(consumer._blocks.tensor[dst], producer._blocks.tensor[src])
+        if carried:
+            assert torch.equal(c_draft[dst], p_draft[src])
+    if c_draft is not None and not carried:
+        assert not c_draft.any()  # never written from an object of another layout
+    assert consumer.take_loaded_draft_tokens("d1") == (num_prompt if carried else 0)
+    assert consumer.take_loaded_draft_tokens("d1") == 0  # reported once
+
+
 # ---- acks, leases, cancels -------------------------------------------------------------------
 def test_duplicate_and_unknown_acks_are_ignored(ray):
     producer = make_producer()

@@ -80,6 +80,11 @@ _COUNTERS: dict[str, tuple[str, Callable[[InstanceStats], float]]] = {
         lambda s: s.kv_transfer.leases_expired,
     ),
     "pdcluster_kv_transfers": ("KV loads completed", lambda s: s.kv_transfer.num_loads),
+    "pdcluster_spec_decode_num_catch_up_tokens": (
+        "Known tokens a draft model was fed before drafting (a prompt whose draft KV did not "
+        "come with its handoff, a request after a preemption, a fully accepted step's last)",
+        lambda s: s.spec_decode.num_catch_up_tokens if s.spec_decode else 0,
+    ),
     "pdcluster_kv_pool_hits": (
         "Requests that found further blocks in the cluster KV pool",
         lambda s: s.kv_pool.hits,

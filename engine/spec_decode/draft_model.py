@@ -108,6 +108,12 @@ class Drafter:
         self.block_size = cache.block_size
         self.vocab_size = vocab_size
         self.device = device
+        self.num_catch_up_tokens = 0  # fed before drafting: see SpecDecodingStats
+
+    def follow(self, chunks: Sequence[tuple[CachedRequestState, int]]) -> None:
+        """Feed each request's known tokens up to its `end` (the target computes them this
+        step): its draft KV is then valid as far as the target's."""
+        self._catch_up(chunks)
 
     @torch.inference_mode()
     def propose(
@@ -119,14 +125,7 @@ class Drafter:
         states = [requests[r] for r in slots]
         # Catch up to each request's last token first (its logits unused), so that each
         # pass after it is a decode pass: one token per request, the engine's fastest.
-        behind = [(s, min(s.num_draft_computed, s.num_computed_tokens)) for s in states]
-        behind = [(s, start) for s, start in behind if start < len(s.token_ids) - 1]
-        if behind:
-            self._forward(
-                [start for _, start in behind],
-                [s.token_ids[start:-1] for s, start in behind],
-                [s.block_ids for s, _ in behind],
-            )
+        self.num_catch_up_tokens += self._catch_up([(s, len(s.token_ids) - 1) for s in states])
         drafts: list[list[int]] = [[s.token_ids[-1]] for s in states]  # then the drafts
         for j in range(max(len(k) for k in slots.values())):
             live = [i for i, k in enumerate(slots.values()) if len(k) > j]
@@ -141,6 +140,21 @@ class Drafter:
         for s, d in zip(states, drafts):  # every position up to the last draft fed
             s.num_draft_computed = len(s.token_ids) + len(d) - 2
         return {r: d[1:] for r, d in zip(slots, drafts)}
+
+    def _catch_up(self, ends: Sequence[tuple[CachedRequestState, int]]) -> int:
+        """One pass feeding each request the tokens it lacks draft KV for, up to its end;
+        returns how many tokens it fed."""
+        behind = [(s, min(s.num_draft_computed, s.num_computed_tokens), end) for s, end in ends]
+        behind = [(s, start, end) for s, start, end in behind if start < end]
+        if behind:
+            self._forward(
+                [start for _, start, _ in behind],
+                [s.token_ids[start:end] for s, start, end in behind],
+                [s.block_ids for s, _, _ in behind],
+            )
+        for s, _, end in behind:
+            s.num_draft_computed = end
+        return sum(end - start for _, start, end in behind)
 
     def _forward(
         self, starts: list[int], inputs: list[list[int]], tables: list[list[int]]

@@ -8,12 +8,16 @@ from dataclasses import dataclass, field
 @dataclass
 class SpecDecodingStats:
     """Since start: steps that verified drafts, draft tokens verified, drafts accepted, and
-    accepted drafts by their position in the draft (index 0: the first draft token)."""
+    accepted drafts by their position in the draft (index 0: the first draft token). With a
+    draft model, the known tokens it was fed before drafting (`num_catch_up_tokens`): a
+    prompt whose draft KV did not come with its handoff, a request after a preemption, the
+    last draft of a fully accepted step."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_catch_up_tokens: int = 0
 
     @classmethod
     def new(cls, num_speculative_tokens: int) -> SpecDecodingStats:
@@ -43,12 +47,15 @@ class SpecDecodingStats:
                     self.num_accepted_tokens_per_pos, earlier.num_accepted_tokens_per_pos
                 )
             ],
+            self.num_catch_up_tokens - earlier.num_catch_up_tokens,
         )
 
-    def snapshot(self) -> SpecDecodingStats:
+    def snapshot(self, num_catch_up_tokens: int = 0) -> SpecDecodingStats:
+        """A copy, with the drafter's catch-up count (the runner keeps it, not these)."""
         return SpecDecodingStats(
             self.num_drafts,
             self.num_draft_tokens,
             self.num_accepted_tokens,
             list(self.num_accepted_tokens_per_pos),
+            num_catch_up_tokens,
         )
