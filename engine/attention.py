@@ -135,8 +135,11 @@ class AttentionMetadata:
     """Everything a layer needs for one step, built once per step.
 
     B = number of sequences, T = total new tokens, max_blocks = most blocks any sequence reads
-    this step. Sequences with one new token form one `DecodeBatch`; each other sequence is a
-    `PrefillSegment` of its own, so no query is padded to another sequence's length.
+    this step. Sequences with one new token form one `DecodeBatch`, and so do the tokens of a
+    short chunk over a cached context (`SHORT_CHUNK`: a verified draft, a short follow-up),
+    one row each that reads the keys up to its own (every K/V of the step is written before
+    any query attends); each other sequence is a `PrefillSegment` of its own, so no query is
+    padded to another sequence's length.
     """
 
     num_seqs: int
@@ -208,6 +211,9 @@ class AttentionMetadata:
         )
 
 
+SHORT_CHUNK = 16  # new tokens of a chunk over a cached context attended as one-token rows
+
+
 def _split_decodes_and_prefills(
     num_computed_tokens: list[int],
     num_scheduled_tokens: list[int],
@@ -215,17 +221,18 @@ def _split_decodes_and_prefills(
     block_size: int,
     device: torch.device | str,
 ) -> tuple[DecodeBatch | None, list[PrefillSegment]]:
-    """One `DecodeBatch` of the one-new-token sequences, one `PrefillSegment` per other one."""
+    """One `DecodeBatch` of the one-new-token sequences and the tokens of short chunks over a
+    cached context, one `PrefillSegment` per other sequence."""
     decode_rows, decode_lens, decode_tables = [], [], []
     prefills: list[PrefillSegment] = []
     token_start = 0
     for computed, new, table in zip(
         num_computed_tokens, num_scheduled_tokens, block_tables, strict=True
     ):
-        if new == 1:
-            decode_rows.append(token_start)
-            decode_lens.append(computed + 1)
-            decode_tables.append(table)
+        if new == 1 or (computed and new <= SHORT_CHUNK):
+            decode_rows += range(token_start, token_start + new)
+            decode_lens += range(computed + 1, computed + new + 1)
+            decode_tables += [table] * new
         else:
             prefills.append(
                 PrefillSegment.build(token_start, computed, new, table, block_size, device)

@@ -26,7 +26,7 @@ from pdcluster.engine.kernels import cpu_kernels
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 6, 2, 8, 64
 
 # (num_computed_tokens, num_new_tokens) per sequence.
-MIXED = [(0, 7), (5, 1), (13, 9), (20, 1), (0, 1), (3, 2), (9, 1), (0, 16)]
+MIXED = [(0, 7), (5, 1), (13, 19), (20, 1), (0, 1), (3, 2), (9, 1), (0, 16)]
 BATCHES = {
     "mixed": MIXED,
     "decode_only": [(c, 1) for c in (0, 4, 11, 30)],
@@ -104,14 +104,15 @@ def test_metadata_splits_decodes_from_prefill_segments():
         BLOCK_SIZE,
         "cpu",
     )
-    # Rows in T: 0-6 | 7 | 8-16 | 17 | 18 | 19-20 | 21 | 22-37.
-    assert meta.decodes.token_indices.tolist() == [7, 17, 18, 21]
-    assert meta.decodes.key_mask[:, 0, 0].sum(-1).tolist() == [6, 21, 1, 10]
+    # Rows in T: 0-6 | 7 | 8-26 | 27 | 28 | 29-30 | 31 | 32-47. A short chunk over a cached
+    # context (3, 2) goes as one-token rows, each reading the keys up to its own.
+    assert meta.decodes.token_indices.tolist() == [7, 27, 28, 29, 30, 31]
+    assert meta.decodes.key_mask[:, 0, 0].sum(-1).tolist() == [6, 21, 1, 4, 5, 10]
     bounds = [(s.token_start, s.token_end, s.seq_len) for s in meta.prefills]
-    assert bounds == [(0, 7, 7), (8, 17, 22), (19, 21, 5), (22, 38, 16)]
+    assert bounds == [(0, 7, 7), (8, 27, 32), (32, 48, 16)]
     # A chunk with no cached context is plain causal; one after a prefix hit gets a mask.
-    assert [s.attn_mask is None for s in meta.prefills] == [True, False, False, True]
-    assert meta.prefills[1].attn_mask.shape == (9, 22)
+    assert [s.attn_mask is None for s in meta.prefills] == [True, False, True]
+    assert meta.prefills[1].attn_mask.shape == (19, 32)
 
 
 def test_decode_only_step_has_no_row_indices():

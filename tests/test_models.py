@@ -216,10 +216,15 @@ def test_metadata_positions_slots_and_logits_indices():
     assert meta.slot_block_ids.tolist() == [2, 2, 2, 4]
     assert meta.slot_offsets.tolist() == [1, 2, 3, 1]
     assert meta.seq_lens.tolist() == [8, 10]
-    # Queries are not padded: the prefill chunk masks [3 new, 8 keys], the decode only keys.
-    assert [seg.attn_mask.shape for seg in meta.prefills] == [(3, 8)]
-    assert meta.decodes.token_indices.tolist() == [3]
-    assert meta.decodes.key_mask.shape == (1, 1, 1, 12)
+    # A short chunk over a cached context goes as one-token rows, each reading its keys.
+    assert meta.prefills == [] and meta.decodes.token_indices is None
+    assert meta.decodes.key_mask[:, 0, 0].sum(-1).tolist() == [6, 7, 8, 10]
+    # A longer one is a prefill segment: its mask is [new, keys], no query padded.
+    meta = AttentionMetadata.build(
+        [5, 9], [20, 1], [[8, 2, 3, 5, 7, 0, 10], [1, 6, 4]], BLOCK_SIZE, CPU
+    )
+    assert [seg.attn_mask.shape for seg in meta.prefills] == [(20, 25)]
+    assert meta.decodes.token_indices.tolist() == [20]
 
 
 def test_model_info_and_legacy_rope_config(tmp_path):
