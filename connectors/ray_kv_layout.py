@@ -119,8 +119,8 @@ class RayKVLoad:
     ref: ray.ObjectRef | None  # None once landed or failed: the object is no longer held
     segments: list[tuple[int, int, int, int]]
     nbytes: int
+    num_runs: int  # the target's arrays in the object (the draft's follow them)
     num_tokens: int = 0
-    num_runs: int = 0  # the target's arrays in the object (the draft's follow them)
     # The object's draft KV (for tokens [0, this)) goes into our draft's blocks: the producer
     # drafts with a model of our draft's layout. 0: only the target's KV is copied.
     num_draft_tokens: int = 0

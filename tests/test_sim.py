@@ -261,7 +261,7 @@ def test_a_modeled_transfer_delays_the_load_until_its_modeled_time(ray_session):
     consumer.set_modeled_transfer(lambda num_tokens: 0.001 * num_tokens)  # 1 ms per token
     source = np.ones((2, 1, 2, 4, 1, 1), dtype=np.uint8)
     ref = ray.put([source])
-    load = RayKVLoad("r1", "p0", "p-r1", ref, [(0, 0, 3, 2)], source.nbytes, num_tokens=8)
+    load = RayKVLoad("r1", "p0", "p-r1", ref, [(0, 0, 3, 2)], source.nbytes, 1, num_tokens=8)
     consumer.start_load_kv(RayKVConnectorMetadata([load]))
     ray.get(ref)  # the data itself is local at once
     assert until_done(load)
