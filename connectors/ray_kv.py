@@ -231,8 +231,10 @@ class RayKVConnector(KVConnectorBase):
             raise KVLoadError(f"{len(block_ids)} blocks allocated, {end} needed")
         segments = plan_segments(handle.run_lengths, first, list(block_ids[first:end]))
         nbytes = handle.nbytes * (end - first) // handle.num_blocks
+        # The draft's KV is taken whole only: a prefix from our own cache may hold a draft KV
+        # that was never computed (its request never drafted), so a load after it catches up.
         draft = handle.draft_layout
-        with_draft = draft is not None and self._blocks is not None
+        with_draft = draft is not None and start == 0 and self._blocks is not None
         with_draft = with_draft and draft == self._blocks.draft_layout
         return RayKVLoad(
             request.request_id,

@@ -184,16 +184,19 @@ def draft_pool(num_blocks: int, seed: int | None = None, num_layers: int = 1) ->
 
 
 @pytest.mark.parametrize(
-    ("producer_draft", "consumer_draft", "carried"),
-    [(1, 1, True), (1, None, False), (None, 1, False), (2, 1, False)],
-    ids=["both-draft", "only-producer", "only-consumer", "other-draft-layout"],
-)
+    ("producer_draft", "consumer_draft", "num_computed", "carried"),
+    [(1, 1, 0, True), (1, None, 0, False), (None, 1, 0, False), (2, 1, 0, False),
+     (1, 1, BLOCK_SIZE, False)],
+    ids=["both-draft", "only-producer", "only-consumer", "other-draft-layout",
+         "after-a-cached-prefix"],
+)  # fmt: skip
 def test_draft_kv_travels_with_the_target_kv_where_both_sides_draft_alike(
-    ray, producer_draft, consumer_draft, carried
+    ray, producer_draft, consumer_draft, num_computed, carried
 ):
     """A producer that drafts publishes its draft model's blocks after the target's; a
     consumer whose draft has the same layout copies them into its draft blocks and reports
-    the tokens once, any other consumer copies the target's only and reports none."""
+    the tokens once, any other consumer copies the target's only and reports none. So does
+    a load after a prefix of the consumer's own cache, whose draft KV nobody vouches for."""
     producer = RayKVConnector("prefill-0", "producer", BLOCK_SIZE)
     p_draft = None if producer_draft is None else draft_pool(16, 5, producer_draft)
     producer.register_kv_caches(make_pool(16, 0), p_draft)
@@ -206,9 +209,10 @@ def test_draft_kv_travels_with_the_target_kv_where_both_sides_draft_alike(
     _, params = producer.request_finished(finished_prefill("p1", num_prompt), src_blocks)
     assert (params.handle.draft_layout is not None) == (producer_draft is not None)
     request = make_request("d1", num_prompt + 1, params)
-    assert load(consumer, request, dst_blocks)[0] == "landed"
+    assert load(consumer, request, dst_blocks, num_computed)[0] == "landed"
 
-    for src, dst in zip(src_blocks, dst_blocks[:3]):
+    first = num_computed // BLOCK_SIZE
+    for src, dst in zip(src_blocks[first:], dst_blocks[first:3]):
         assert torch.equal(consumer._blocks.tensor[dst], producer._blocks.tensor[src])
         if carried:
             assert torch.equal(c_draft[dst], p_draft[src])
