@@ -169,6 +169,17 @@ def our_objects_in_store(object_ids: Iterable[str] | None = None) -> set[str]:
     return live if object_ids is None else live & set(object_ids)
 
 
+_IN_FLIGHT = re.compile(r"\|\s*(?:SUBMITTED_TO_WORKER|PENDING_\w+)\s*\|.*\b([0-9a-f]{56})\b")
+
+
+def calls_in_flight() -> set[str]:
+    """Hex ids of the results of calls not yet answered (a long-poll waiting, a pull)."""
+    from ray._private.internal_api import memory_summary
+
+    summary = memory_summary(ray.get_runtime_context().gcs_address, line_wrap=False)
+    return set(_IN_FLIGHT.findall(summary))
+
+
 def live_object_ids() -> set[str]:
     """Objects some process references. Collects this process's cyclic garbage first: a
     cancelled client task's traceback can hold a stream's refs until then."""
@@ -182,8 +193,9 @@ def assert_clean(cluster: Cluster, baseline: set[str], timeout_s: float = 20.0) 
     cluster.wait_idle(timeout_s)
     assert wait_until(lambda: cluster.front.num_in_flight() == 0, timeout_s)
 
-    # A pull or a long-poll in flight (to the pool controller or the KV pool), a member's actor
-    # handle, or an entry of the KV pool is no leak: an actor call's object id holds the actor's.
+    # A call in flight (a pull, a long-poll to the pool controller or the KV pool), a member's
+    # actor handle, or an entry of the KV pool is no leak: an actor call's object id holds the
+    # actor's.
     pool = kv_pool_actor(cluster)
     callees = [cluster.controller, *(h for _, h in cluster.instances.values())]
     callee_ids = [h._actor_id.hex() for h in callees] + list(cluster_actors(cluster))
@@ -191,6 +203,7 @@ def assert_clean(cluster: Cluster, baseline: set[str], timeout_s: float = 20.0) 
     def leaked() -> set[str]:
         since = time.monotonic()
         live = live_object_ids() - baseline - pull_object_ids(since)
+        live -= calls_in_flight()
         if pool is not None:
             live -= set(ray.get(pool.object_ids.remote()))
         return {o for o in live if not any(a in o for a in callee_ids)}
