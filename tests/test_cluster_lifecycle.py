@@ -155,6 +155,17 @@ def test_abort_at_any_moment(epd, baseline, delay_ms):
     asyncio.run(scenario())
 
 
+def test_the_leak_check_finds_an_object_left_in_the_store(epd):
+    """assert_clean is no check that cannot fail: an object created after the baseline and
+    still referenced fails it, and passes once dropped; calls in flight do not fail it."""
+    ids = live_object_ids()
+    kept = ray.put(b"left behind")
+    with pytest.raises(AssertionError, match=kept.hex()):
+        assert_clean(epd, ids, timeout_s=1.0)
+    del kept
+    assert_clean(epd, ids)
+
+
 def test_lease_frees_blocks_when_decode_never_acks(ray_session, model_dir, reference):
     connector = {"kv_lease_s": 1.0}
     with start(model_dir, prefill=1, decode=1, connector=connector) as cluster:
