@@ -66,10 +66,11 @@ def test_scale_up_then_down_under_load_serves_on_the_new_instance_and_loses_noth
             assert out.finish_reason == "length"
             assert out.token_ids == reference(prompt, LONG).token_ids  # colocated's tokens
         leaving = _ids(cluster, "decode")[1]  # the new D, the newest: it drains first
-        assert stats_by_id(cluster)[leaving].num_steps > 0  # it took traffic
 
         async def scale_down():
             tasks = await _stream_all(cluster, PROMPTS)
+            # the new D takes traffic (right after it joined, a busy host may have made its
+            # first answer late, and the router send the second batch to the old D first)
             assert await until(lambda: stats_by_id(cluster)[leaving].scheduler.num_running > 0)
             members = await cluster.scale("decode", 1)  # drains the newest D mid-stream
             return members, await asyncio.gather(*tasks)
