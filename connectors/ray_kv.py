@@ -233,9 +233,8 @@ class RayKVConnector(KVConnectorBase):
         nbytes = handle.nbytes * (end - first) // handle.num_blocks
         # The draft's KV is taken whole only: a prefix from our own cache may hold a draft KV
         # that was never computed (its request never drafted), so a load after it catches up.
-        draft = handle.draft_layout
-        with_draft = draft is not None and start == 0 and self._blocks is not None
-        with_draft = with_draft and draft == self._blocks.draft_layout
+        ours = None if self._blocks is None else self._blocks.draft_layout
+        with_draft = start == 0 and handle.draft_layout is not None and handle.draft_layout == ours
         return RayKVLoad(
             request.request_id,
             params.remote_engine_id,

@@ -183,8 +183,8 @@ class ModelRunner:
         drafts = so.scheduled_spec_decode_tokens
         if self.drafter is not None:
             # a prompt whose KV is sent: the draft's KV computed beside, and sent with it
-            sent = [(s, s.num_computed_tokens + n) for s, n in zip(states, num_scheduled)]
-            self.drafter.follow([(s, end) for s, end in sent if s.sends_kv])
+            ends = [(s, s.num_computed_tokens + n) for s, n in zip(states, num_scheduled)]
+            self.drafter.follow([(s, end) for s, end in ends if s.sends_kv])
             if drafts:
                 drafts = self.drafter.propose(self.requests, drafts)
         input_ids: list[int] = []

@@ -162,29 +162,28 @@ class Load:
 def our_objects_in_store(object_ids: Iterable[str] | None = None) -> set[str]:
     """Hex ids of objects that some worker of the cluster still references (the store frees an
     object once none does), restricted to `object_ids` when given."""
+    live = set(_OBJECT_ID.findall(_memory_summary()))
+    return live if object_ids is None else live & set(object_ids)
+
+
+def _memory_summary() -> str:
     from ray._private.internal_api import memory_summary
 
-    address = ray.get_runtime_context().gcs_address
-    live = set(_OBJECT_ID.findall(memory_summary(address, line_wrap=False)))
-    return live if object_ids is None else live & set(object_ids)
+    return memory_summary(ray.get_runtime_context().gcs_address, line_wrap=False)
 
 
 _IN_FLIGHT = re.compile(r"\|\s*(?:SUBMITTED_TO_WORKER|PENDING_\w+)\s*\|.*\b([0-9a-f]{56})\b")
 
 
-def calls_in_flight() -> set[str]:
-    """Hex ids of the results of calls not yet answered (a long-poll waiting, a pull)."""
-    from ray._private.internal_api import memory_summary
-
-    summary = memory_summary(ray.get_runtime_context().gcs_address, line_wrap=False)
-    return set(_IN_FLIGHT.findall(summary))
-
-
-def live_object_ids() -> set[str]:
-    """Objects some process references. Collects this process's cyclic garbage first: a
-    cancelled client task's traceback can hold a stream's refs until then."""
+def live_object_ids(in_flight: bool = True) -> set[str]:
+    """Objects some process references; without the results of calls not yet answered (a
+    long-poll waiting, a pull) unless `in_flight`, read from the same summary. Collects this
+    process's cyclic garbage first: a cancelled client task's traceback can hold a stream's
+    refs until then."""
     gc.collect()
-    return our_objects_in_store()
+    summary = _memory_summary()
+    live = set(_OBJECT_ID.findall(summary))
+    return live if in_flight else live - set(_IN_FLIGHT.findall(summary))
 
 
 def assert_clean(cluster: Cluster, baseline: set[str], timeout_s: float = 20.0) -> None:
@@ -197,13 +196,11 @@ def assert_clean(cluster: Cluster, baseline: set[str], timeout_s: float = 20.0) 
     # actor handle, or an entry of the KV pool is no leak: an actor call's object id holds the
     # actor's.
     pool = kv_pool_actor(cluster)
-    callees = [cluster.controller, *(h for _, h in cluster.instances.values())]
-    callee_ids = [h._actor_id.hex() for h in callees] + list(cluster_actors(cluster))
+    callee_ids = list(cluster_actors(cluster))  # controller, instances, KV pool
 
     def leaked() -> set[str]:
         since = time.monotonic()
-        live = live_object_ids() - baseline - pull_object_ids(since)
-        live -= calls_in_flight()
+        live = live_object_ids(in_flight=False) - baseline - pull_object_ids(since)
         if pool is not None:
             live -= set(ray.get(pool.object_ids.remote()))
         return {o for o in live if not any(a in o for a in callee_ids)}
@@ -241,10 +238,7 @@ def cluster_actors(cluster: Cluster) -> dict[str, str]:
 def _describe(object_ids: set[str]) -> str:
     """The memory summary's lines for `object_ids`, and the named actors (whose ids are in
     the ids of calls to them); no state API: the test session runs without the dashboard."""
-    from ray._private.internal_api import memory_summary
-
-    summary = memory_summary(ray.get_runtime_context().gcs_address, line_wrap=False)
-    lines = [line for line in summary.splitlines() if any(i in line for i in object_ids)]
+    lines = [line for line in _memory_summary().splitlines() if any(i in line for i in object_ids)]
     actors = [f"actor {i} is {name}" for i, name in named_actors().items()]
     return "\n".join([f"leaked: {sorted(object_ids)}", *lines, *actors])
 
