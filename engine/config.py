@@ -164,6 +164,33 @@ class SpeculativeConfig:
             )
 
 
+DEFAULT_MAX_LORAS = 1
+DEFAULT_MAX_LORA_RANK = 16
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's --enable-lora): requests name an adapter in PEFT's format,
+    and up to `max_loras` adapters run in one step's batch beside the base model."""
+
+    max_loras: int = DEFAULT_MAX_LORAS  # adapters resident in the layers (one step's at most)
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK  # an adapter of a higher rank is refused
+    max_cpu_loras: int | None = None  # adapters kept loaded in memory; None: max_loras
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not _is_int(cpu) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras, got {cpu!r}")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -181,6 +208,7 @@ class EngineConfig:
     tensor_parallel_size: int = DEFAULT_TENSOR_PARALLEL_SIZE
     num_threads: int | None = None  # torch intra-op threads of this process; None: as started
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    lora: LoRAConfig | None = None  # None: no LoRA adapters
 
     @property
     def draft_model(self) -> SpeculativeConfig | None:
@@ -199,6 +227,10 @@ class EngineConfig:
             raise ValueError(
                 "speculative_config: method 'draft_model' runs at tensor_parallel_size 1 "
                 f"only, got {self.tensor_parallel_size}"
+            )
+        if self.lora is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"LoRA runs at tensor_parallel_size 1 only, got {self.tensor_parallel_size}"
             )
         if self.quantization != "none" and self.tensor_parallel_size > 1:
             raise ValueError(

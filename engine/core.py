@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 
 import torch
 
 from pdcluster.connectors.base import ECConnectorBase, KVConnectorBase
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.kv_budget import GiB, size_cache
+from pdcluster.engine.lora.adapter import LoRARequest
+from pdcluster.engine.lora.manager import LoRAManager, LoRAStats
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.models.loader import ModelInfo, load_model, read_model_info
 from pdcluster.engine.outputs import (
@@ -71,8 +74,9 @@ class EngineCore:
             cache.num_blocks, cache.block_size, self.runner.kv_cache.nbytes / GiB, self.device,
         )  # fmt: skip
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, kv_connector, ec_connector, config.speculative
-        )
+            config.scheduler, config.cache, kv_connector, ec_connector, config.speculative,
+            None if config.lora is None else config.lora.max_loras,
+        )  # fmt: skip
         self.kv_connector = kv_connector
         self.ec_connector = ec_connector
         if kv_connector is not None:
@@ -87,9 +91,13 @@ class EngineCore:
     def _make_runner(self, config: EngineConfig) -> ModelRunner | SimRunner:
         """The real runner, or a simulated one for a `sim:` folder; sets `model_info`,
         `grammars`, `runner_cache` (the cache config with its block count fixed) and
-        `drafter` (the draft model's, speculative method draft_model)."""
+        `drafter` (the draft model's, speculative method draft_model) and `lora` (its
+        adapters, with enable_lora)."""
         self.drafter: Drafter | None = None
+        self.lora: LoRAManager | None = None
         if self.sim_profile is not None:
+            if config.lora is not None:
+                raise ValueError("LoRA: a simulated model (sim:) has no layers to adapt")
             if config.speculative is not None:
                 raise ValueError(
                     "speculative_config: a simulated model (sim:) cannot verify drafts"
@@ -104,6 +112,8 @@ class EngineCore:
             )  # fmt: skip
         model, self.model_info = load_model(config.model, self.device, self.dtype)
         runner_info = self._shard(config, model)
+        if config.lora is not None:  # wraps the projections before the runner packs them
+            self.lora = LoRAManager(model, config.lora, self.dtype)
         draft = None
         infos, models = [runner_info], [model]
         if config.draft_model is not None:
@@ -121,7 +131,7 @@ class EngineCore:
             self.drafter = Drafter(draft, self.runner_cache, vocab_size, self.device)
         runner = ModelRunner(
             model, runner_info, self.runner_cache, self.device, self.precision, self.grammars,
-            self.tp, self.drafter,
+            self.tp, self.drafter, self.lora,
         )  # fmt: skip
         if self.tp is not None:
             self.tp.attach_kv_cache(runner.kv_cache, self.model_info.num_kv_heads)
@@ -205,6 +215,24 @@ class EngineCore:
             raise ValueError("structured_outputs: a simulated model (sim:) cannot honour them")
         if structured is not None:
             self.grammars.matcher(structured)  # compiled (and cached for the runner) now
+        lora = request.lora_request
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError(
+                    f"LoRA adapter {lora.name!r}: this instance serves no adapters (enable_lora)"
+                )
+            self.lora.load(lora)  # read now (LoRAAdapterError when it cannot be served)
+
+    # ---- LoRA adapters (any thread) ------------------------------------------------------
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter for requests to come; ValueError when it cannot be served here."""
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {lora.name!r}: this instance serves no adapters")
+        self.lora.load(lora)
+
+    def unload_lora(self, name: str) -> bool:
+        """Forget an adapter (its running requests finish); whether it was loaded."""
+        return self.lora is not None and self.lora.unload(name)
 
     def has_work(self) -> bool:
         kv_pending = self.kv_connector is not None and self.kv_connector.has_pending()
@@ -247,10 +275,25 @@ class EngineCore:
             stats.update(self.kv_connector.stats().reported())
         if self.ec_connector is not None:
             stats["ec"] = self.ec_connector.stats()
+        if self.lora is not None:
+            stats["lora"] = self._lora_stats()
         if self.scheduler.speculation is not None:
             caught_up = 0 if self.drafter is None else self.drafter.num_catch_up_tokens
             stats["spec_decode"] = self.scheduler.speculation.stats.snapshot(caught_up)
         return stats
+
+    def _lora_stats(self) -> LoRAStats:
+        s = self.scheduler
+
+        def names(requests: Iterable[Request]) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_request.name for r in requests if r.lora_request}))
+
+        return LoRAStats(
+            self.config.lora.max_loras,
+            running=names(s.running),
+            waiting=names([*s.waiting, *s.skipped_waiting]),
+            resident=self.lora.resident(),
+        )
 
     # ---- one step --------------------------------------------------------------------
     def step(self) -> tuple[list[EngineCoreOutput], bool]:

@@ -2,9 +2,10 @@
 
 A full block's hash chains its parent's hash, its token ids and its extra keys (the mm_hash of
 every image whose placeholder run overlaps the block), so equal token ids with a different
-image never hit. A request's `cache_salt` replaces the first block's parent (`root_hash`), so
-every hash of a salted chain differs from the unsalted one and from every other salt's: requests
-with different salts never share a block, while equal salts share as unsalted requests do.
+image never hit. A request's `cache_salt` and LoRA adapter replace the first block's parent
+(`root_hash`), so every hash of a salted chain differs from the unsalted one and from every other
+salt's: requests with different salts never share a block, while equal salts share as unsalted
+requests do; likewise each adapter's blocks (named by its name and folder) are its own.
 Hashes are 128-bit BLAKE2b digests, so a crafted prompt cannot collide with
 another user's prefix. They are computed once per block, as blocks fill, and kept in
 `Request.block_hashes` (they survive preemption: token ids never change).
@@ -22,19 +23,32 @@ from hashlib import blake2b
 
 from pdcluster.engine.block_pool import BlockPool, KVCacheBlock
 from pdcluster.engine.config import CacheConfig
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.engine.request import Request
 
 NONE_HASH = 0  # parent hash of an unsalted request's first block
 _SALT_DOMAIN = b"pdcluster.cache_salt\x00"  # a salted root is never a token block's digest
+_LORA_DOMAIN = b"pdcluster.lora\x00"  # nor an adapter's root a salt's
 
 
-def root_hash(cache_salt: str | None) -> int:
-    """The parent hash of the first block of a request with this salt."""
+def root_hash(cache_salt: str | None, lora: LoRARequest | None = None) -> int:
+    """The parent hash of the first block of a request with this salt and adapter."""
+    if lora is not None:  # each part after its length: no two triples read the same
+        h = blake2b(_LORA_DOMAIN, digest_size=16)
+        for part in (cache_salt or "", lora.name, lora.path):
+            data = part.encode()
+            h.update(len(data).to_bytes(8, "little") + data)
+        return int.from_bytes(h.digest(), "little")
     if not cache_salt:
         return NONE_HASH
     h = blake2b(_SALT_DOMAIN, digest_size=16)
     h.update(cache_salt.encode())
     return int.from_bytes(h.digest(), "little")
+
+
+def request_root(request: Request) -> int:
+    """`root_hash` of the request's salt and adapter."""
+    return root_hash(request.cache_salt, request.lora_request)
 
 
 def hash_block_tokens(parent_hash: int, token_ids: list[int], extra_keys: tuple = ()) -> int:
@@ -99,7 +113,7 @@ class KVCacheManager:
         num_full = num_tokens // bs
         if len(hashes) >= num_full:
             return hashes
-        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+        parent = hashes[-1] if hashes else request_root(request)
         has_mm = bool(request.mm_features)
         for i in range(len(hashes), num_full):
             start, end = i * bs, (i + 1) * bs

@@ -10,8 +10,15 @@ from typing import Any
 from tqdm import tqdm
 
 from pdcluster.connectors.base import KVConnectorBase
-from pdcluster.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from pdcluster.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pdcluster.engine.core import EngineCore
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.engine.outputs import EngineCoreOutput, PromptLogprobs, TopLogprobs
 from pdcluster.engine.presets import resolve_model_dir
 from pdcluster.engine.processor import InputProcessor, PromptType
@@ -55,14 +62,17 @@ class RequestOutput:
 def engine_config_from_args(
     model: str,
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None,
+    enable_lora: bool = False,
     **engine_args: Any,
 ) -> EngineConfig:
     """Build an EngineConfig from flat vLLM-style keyword arguments; `speculative_config` in
-    vLLM's dict form (e.g. {"method": "ngram", "num_speculative_tokens": 4})."""
-    groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "engine": {}}
+    vLLM's dict form (e.g. {"method": "ngram", "num_speculative_tokens": 4}); `enable_lora`
+    with `max_loras`, `max_lora_rank` and `max_cpu_loras` as vLLM's."""
+    groups: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "engine": {}, "lora": {}}
     owners = {
         "cache": CacheConfig.__dataclass_fields__,
         "scheduler": SchedulerConfig.__dataclass_fields__,
+        "lora": LoRAConfig.__dataclass_fields__,
         "engine": {
             "device",
             "dtype",
@@ -78,6 +88,8 @@ def engine_config_from_args(
         if owner is None:
             raise TypeError(f"unknown engine argument {key!r}")
         groups[owner][key] = value
+    if groups["lora"] and not enable_lora:
+        raise ValueError(f"{sorted(groups['lora'])} need enable_lora=True")
     return EngineConfig(
         model=model,
         cache=CacheConfig(**groups["cache"]),
@@ -85,6 +97,7 @@ def engine_config_from_args(
         speculative=None
         if speculative_config is None
         else SpeculativeConfig.from_dict(speculative_config),
+        lora=LoRAConfig(**groups["lora"]) if enable_lora else None,
         **groups["engine"],
     )
 
@@ -112,8 +125,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of `prompts`."""
+        """Generate for every prompt (under `lora_request`, or each under its own); outputs
+        come back in the order of `prompts`."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -121,9 +136,18 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError("need one SamplingParams per prompt, or a single one")
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(prompt_list)
+        )
+        if len(loras) != len(prompt_list):
+            raise ValueError("need one lora_request per prompt, or a single one")
         results: dict[str, RequestOutput] = {}
-        for prompt, params in zip(prompt_list, params_list):
-            request = self.processor.process(str(next(self._ids)), prompt, params)
+        for prompt, params, lora in zip(prompt_list, params_list, loras):
+            request = self.processor.process(
+                str(next(self._ids)), prompt, params, lora_request=lora
+            )
             self.engine.add_request(request)
             results[request.request_id] = new_request_output(request)
         self._run(results, use_tqdm)

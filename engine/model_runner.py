@@ -20,6 +20,7 @@ import torch
 from pdcluster.engine.attention import AttentionMetadata, allocate_kv_cache
 from pdcluster.engine.config import CacheConfig
 from pdcluster.engine.kernels import cpu_kernels
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.engine.models.decode_kernel import attach_decode_kernels
 from pdcluster.engine.models.loader import ModelInfo
 from pdcluster.engine.models.tiered_linear import prepare_linears
@@ -40,6 +41,7 @@ from pdcluster.engine.token_masks import TokenMasks
 from pdcluster.engine.tp_worker import StepInputs, TensorParallelGroup
 
 if TYPE_CHECKING:
+    from pdcluster.engine.lora.manager import LoRAManager
     from pdcluster.engine.spec_decode.draft_model import Drafter
 
 
@@ -61,6 +63,7 @@ class CachedRequestState:
     # the target's KV is valid too (engine.spec_decode.draft_model)
     num_draft_computed: int = 0
     sends_kv: bool = False  # see NewRequestData.sends_kv
+    lora_request: LoRARequest | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -93,9 +96,11 @@ class ModelRunner:
         grammars: GrammarCompiler,
         tp: TensorParallelGroup | None = None,  # the other ranks, when sharded
         drafter: Drafter | None = None,  # fills draft slots (speculative method draft_model)
+        lora: LoRAManager | None = None,  # its adapters, wrapping `model`'s projections
     ) -> None:
         prepare_model(model, precision, device)
         self.model = model
+        self.lora = lora
         self.drafter = drafter
         self.tp = tp
         self.grammars = grammars
@@ -153,6 +158,7 @@ class ModelRunner:
             num_prompt_tokens=len(new.prompt_token_ids) - new.num_prior_output_tokens,
             num_draft_computed=new.num_draft_computed_tokens,
             sends_kv=new.sends_kv,
+            lora_request=new.lora_request,
         )
         if new.sampling_params.has_penalties:
             state = self.requests[new.req_id]
@@ -198,6 +204,8 @@ class ModelRunner:
             tables = [s.block_ids for s in states]
             computed = [s.num_computed_tokens for s in states]
             self.tp.start_step(StepInputs(input_ids, computed, num_scheduled, tables))
+        if self.lora is not None:
+            self.lora.prepare([s.lora_request for s in states], num_scheduled)
         embeds = self.model.embed_tokens(ids)  # [T, hidden]
         if self.info.is_multimodal:
             self._merge_encoder_outputs(embeds, states, num_scheduled)

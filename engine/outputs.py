@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcluster.connectors.base import KVTransferParams
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.engine.request import MultiModalFeature
 from pdcluster.engine.sampling_params import SamplingParams
 
@@ -55,6 +56,7 @@ class NewRequestData:
     # Its prompt's KV goes to a consumer (do_remote_decode): a draft model computes its own
     # KV for the prompt beside the target's, and it travels with the target's.
     sends_kv: bool = False
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from pdcluster.connectors.base import KVTransferParams
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.engine.models.loader import ModelInfo
 from pdcluster.engine.multimodal import (
     ImageProcessor,
@@ -45,6 +46,7 @@ class InputProcessor:
         kv_transfer_params: KVTransferParams | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         token_ids, images = self._tokens_and_images(prompt)
         truncate = params.truncate_prompt_tokens
@@ -68,6 +70,7 @@ class InputProcessor:
             kv_transfer_params=kv_transfer_params,
             cache_salt=cache_salt,
             priority=priority,
+            lora_request=lora_request,
         )
 
     def _bad_words(self, params: SamplingParams) -> list[list[int]]:

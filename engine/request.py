@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pdcluster.connectors.base import KVTransferParams
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ class Request:
         prior_output_text: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -122,6 +124,8 @@ class Request:
         # Requests share prefix blocks only when their salts are equal (None: unsalted).
         self.cache_salt = cache_salt
         self.priority = priority  # under the priority policy: lower is scheduled first
+        # The LoRA adapter it runs under (None: the base model); its blocks are its own.
+        self.lora_request = lora_request
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

@@ -76,6 +76,7 @@ class Scheduler:
         kv_connector: KVConnectorBase | None = None,
         ec_connector: ECConnectorBase | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int | None = None,  # LoRA: adapters of one step's running requests at most
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -108,7 +109,7 @@ class Scheduler:
         )
         self.admission = WaitingAdmission(
             scheduler_config, self.kv_cache_manager, self.encoder_cache_manager, ec_connector,
-            self.remote_kv, self.waiting, self.skipped_waiting, self.running,
+            self.remote_kv, self.waiting, self.skipped_waiting, self.running, max_loras,
         )  # fmt: skip
         # Since start, across all requests: preemptions, prompt tokens of requests that
         # produced their first token here, tokens generated.

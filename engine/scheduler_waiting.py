@@ -43,8 +43,10 @@ class WaitingAdmission:
         waiting: RequestQueue,
         skipped_waiting: RequestQueue,
         running: list[Request],
+        max_loras: int | None = None,
     ) -> None:
         self.config = config
+        self.max_loras = max_loras
         self.kv_cache_manager = kv_cache_manager
         self.encoder_cache_manager = encoder_cache_manager
         self.ec_connector = ec_connector
@@ -83,6 +85,7 @@ class WaitingAdmission:
     def schedule(self, st: StepState) -> None:
         """Admit waiting requests in policy order while the step's budgets allow."""
         max_num_seqs = self.config.max_num_seqs
+        loras = {r.lora_request for r in self.running if r.lora_request is not None}
         while (self.skipped_waiting or self.waiting) and st.token_budget > 0:
             if len(self.running) >= max_num_seqs:
                 break
@@ -90,12 +93,19 @@ class WaitingAdmission:
             queue = (
                 waiting if waiting and (not skipped or waiting.goes_before(skipped)) else skipped
             )
-            outcome = self._try(queue.peek_request(), st)
+            request = queue.peek_request()
+            lora = request.lora_request
+            if lora is not None and lora not in loras and len(loras) >= (self.max_loras or 0):
+                outcome = Outcome.SKIP  # its adapter waits for a slot: max_loras are running
+            else:
+                outcome = self._try(request, st)
             if outcome is Outcome.STOP:
                 break
-            request = queue.pop_request()
+            queue.pop_request()
             if outcome is Outcome.SKIP:
                 st.step_skipped.append(request)
+            elif outcome is Outcome.SCHEDULED and lora is not None:
+                loras.add(lora)
         self.skipped_waiting.prepend_requests(st.step_skipped)
 
     def _try(self, request: Request, st: StepState) -> Outcome:
@@ -168,6 +178,7 @@ class WaitingAdmission:
                     request.num_prior_output_tokens,
                     connector.take_loaded_draft_tokens(rid) if connector is not None else 0,
                     params is not None and params.do_remote_decode,
+                    request.lora_request,
                 )
             )
         request.status = RequestStatus.RUNNING

@@ -37,4 +37,5 @@ def _child(request: Request, index: int) -> Request:
         prior_output_text=request.prior_output_text,
         cache_salt=request.cache_salt,
         priority=request.priority,
+        lora_request=request.lora_request,
     )

@@ -99,4 +99,5 @@ def _copy(
         prior_output_text=prior_output_text,
         cache_salt=request.cache_salt,
         priority=request.priority,
+        lora_request=request.lora_request,
     )

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pdcluster.engine.kv_cache_manager import hash_block_tokens, root_hash
+from pdcluster.engine.kv_cache_manager import NONE_HASH, hash_block_tokens
 from pdcluster.routing.role import Role
 
 DEFAULT_MIGRATION_LIMIT = 3  # moves of one request to other instances after losing its own
@@ -104,13 +104,14 @@ def block_hashes(
     token_ids: list[int],
     block_size: int,
     images: Sequence[tuple[int, int, str]] = (),
-    cache_salt: str | None = None,
+    root: int = NONE_HASH,
 ) -> list[int]:
     """Chained hashes of the prompt's full blocks, equal to the engine's prefix-cache hashes
     (so instances' cache events name them). A block overlapping an image's placeholders,
-    given as (offset, end, mm_hash), includes its hash; a salted chain starts from the salt's
-    root, so it matches only blocks cached under the same salt."""
-    hashes, parent = [], root_hash(cache_salt)
+    given as (offset, end, mm_hash), includes its hash; the chain starts from `root`, the
+    request's salt and adapter (`kv_cache_manager.request_root`), so a salted or adapted chain
+    matches only blocks cached under the same salt and adapter."""
+    hashes, parent = [], root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
         extra = tuple(h for lo, hi, h in images if lo < end and start < hi)
@@ -204,12 +205,12 @@ class RouterPolicy:
         self,
         prompt_token_ids: list[int],
         images: Sequence[tuple[int, int, str]] = (),
-        cache_salt: str | None = None,
+        root: int = NONE_HASH,
+        lora_name: str | None = None,
     ) -> Plan:
         """Pick instances for a prompt whose images are (offset, end, mm_hash) runs (and whose
-        blocks are hashed under `cache_salt`); raises RuntimeError when no live instance can
-        serve."""
-        hashes = block_hashes(prompt_token_ids, self.config.block_size, images, cache_salt)
+        blocks chain from `root`); raises RuntimeError when no live instance can serve."""
+        hashes = block_hashes(prompt_token_ids, self.config.block_size, images, root)
         encoder = self._least(self._live(Role.ENCODER), "num_active") if images else None
         encoder_id = encoder.instance_id if encoder else None
         prefills, decodes = self._live(Role.PREFILL), self._live(Role.DECODE)
@@ -275,12 +276,12 @@ class RouterPolicy:
         instance_id: str,
         prompt_token_ids: list[int],
         images: Sequence = (),
-        cache_salt: str | None = None,
+        root: int = NONE_HASH,
     ) -> None:
         load = self.instances[instance_id]
         load.own.num_active += 1
         load.own.queued_prefill_tokens += len(prompt_token_ids)
-        self._remember(load, prompt_token_ids, images, cache_salt)
+        self._remember(load, prompt_token_ids, images, root)
 
     def on_encode_start(self, instance_id: str) -> None:
         self.instances[instance_id].own.num_active += 1
@@ -300,7 +301,7 @@ class RouterPolicy:
         max_tokens: int,
         images: Sequence = (),
         cached: bool = True,
-        cache_salt: str | None = None,
+        root: int = NONE_HASH,
     ) -> None:
         """The request's KV is spoken for on the instance; with `cached`, its prompt is (or
         is about to be) there too. A D planned for a request still on its P is not yet
@@ -309,18 +310,18 @@ class RouterPolicy:
         load.own.num_active += 1
         load.own.kv_tokens += len(prompt_token_ids) + max_tokens
         if cached:
-            self._remember(load, prompt_token_ids, images, cache_salt)
+            self._remember(load, prompt_token_ids, images, root)
 
     def on_prompt_cached(
         self,
         instance_id: str,
         prompt_token_ids: list[int],
         images: Sequence = (),
-        cache_salt: str | None = None,
+        root: int = NONE_HASH,
     ) -> None:
         load = self.instances.get(instance_id)
         if load is not None:
-            self._remember(load, prompt_token_ids, images, cache_salt)
+            self._remember(load, prompt_token_ids, images, root)
 
     def on_decode_end(self, instance_id: str, num_tokens: int) -> None:
         own = self._own(instance_id)
@@ -332,12 +333,10 @@ class RouterPolicy:
         load = self.instances.get(instance_id)
         return load.own if load is not None else Load()
 
-    def _remember(
-        self, load: InstanceLoad, prompt: list[int], images: Sequence, cache_salt: str | None
-    ) -> None:
+    def _remember(self, load: InstanceLoad, prompt: list[int], images: Sequence, root: int) -> None:
         # Leading blocks are touched last so they are evicted last: a prefix match needs
         # the chain from the first block.
-        for h in reversed(block_hashes(prompt, self.config.block_size, images, cache_salt)):
+        for h in reversed(block_hashes(prompt, self.config.block_size, images, root)):
             load.cached_blocks[h] = None
             load.cached_blocks.move_to_end(h)
         self._bound(load)

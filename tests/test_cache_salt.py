@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from pdcluster.engine import SamplingParams
+from pdcluster.engine.kv_cache_manager import root_hash
 from pdcluster.routing.fanout import fan_out
 from pdcluster.routing.handoff import for_decode, for_prefill
 from pdcluster.routing.policy import RouterConfig, RouterPolicy, block_hashes
@@ -78,29 +79,29 @@ def test_salt_changes_every_hash_of_the_chain_and_events_name_them():
     pool.enable_kv_events()
     cached_tokens(s, "a", "tenant-a")
     stored = {h for is_stored, h in pool.take_kv_events() if is_stored}
-    salted = block_hashes(PROMPT, 4, cache_salt="tenant-a")
+    salted = block_hashes(PROMPT, 4, root=root_hash("tenant-a"))
     plain = block_hashes(PROMPT, 4)
     assert set(salted) <= stored  # the router computes what the instance publishes
     assert not stored & set(plain)
-    assert not set(salted) & set(block_hashes(PROMPT, 4, cache_salt="tenant-b"))
+    assert not set(salted) & set(block_hashes(PROMPT, 4, root=root_hash("tenant-b")))
     assert_idle(s)
 
 
 def test_router_does_not_follow_another_tenants_cached_prefix():
     policy = RouterPolicy({"P0": "prefill", "P1": "prefill", "D0": "decode"}, RouterConfig(4))
     # P0 published tenant A's blocks of the prompt, and has a little more queued than P1.
-    policy.apply_kv_events("P0", block_hashes(PROMPT, 4, cache_salt="tenant-a"), [], False)
+    policy.apply_kv_events("P0", block_hashes(PROMPT, 4, root=root_hash("tenant-a")), [], False)
     policy.on_prefill_start("P0", [1, 2, 3])
-    assert policy.plan(PROMPT, cache_salt="tenant-a").prefill_id == "P0"  # A's prefix there
-    assert policy.plan(PROMPT, cache_salt="tenant-b").prefill_id == "P1"  # least loaded
+    assert policy.plan(PROMPT, root=root_hash("tenant-a")).prefill_id == "P0"  # A's prefix there
+    assert policy.plan(PROMPT, root=root_hash("tenant-b")).prefill_id == "P1"  # least loaded
     assert policy.plan(PROMPT).prefill_id == "P1"
 
 
 def test_router_remembers_what_it_sent_under_the_requests_salt():
     policy = RouterPolicy({"P0": "prefill", "P1": "prefill", "D0": "decode"}, RouterConfig(4))
-    policy.on_prefill_start("P0", PROMPT, cache_salt="tenant-a")
-    assert policy.plan(PROMPT, cache_salt="tenant-a").prefill_id == "P0"
-    assert policy.plan(PROMPT, cache_salt="tenant-b").prefill_id == "P1"
+    policy.on_prefill_start("P0", PROMPT, root=root_hash("tenant-a"))
+    assert policy.plan(PROMPT, root=root_hash("tenant-a")).prefill_id == "P0"
+    assert policy.plan(PROMPT, root=root_hash("tenant-b")).prefill_id == "P1"
 
 
 def test_salt_and_priority_travel_with_the_handoff_and_fan_out():
@@ -144,8 +145,8 @@ def test_tenants_prompts_are_cached_apart_on_p_and_in_the_router(cluster, base_u
     (p_id,) = [i for i, (role, _) in cluster.instances.items() if role == "prefill"]
     index = policy.instances[p_id].cached_blocks
     for salt in ("tenant-a", "tenant-b"):
-        assert block_hashes(token_ids, block_size, cache_salt=salt)[0] in index
-    assert block_hashes(token_ids, block_size, cache_salt="tenant-c")[0] not in index
+        assert block_hashes(token_ids, block_size, root=root_hash(salt))[0] in index
+    assert block_hashes(token_ids, block_size, root=root_hash("tenant-c"))[0] not in index
     assert_clean(cluster, baseline)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from pdcluster.engine.kv_cache_manager import request_root
 from pdcluster.engine.request import Request
 from pdcluster.routing.handoff import max_new_tokens
 from pdcluster.routing.policy import Plan, RouterPolicy
@@ -42,7 +43,7 @@ class Accounting:
             charge.prefill_on = plan.prefill_id
             self.promised[plan.decode_id] += 1
             self.policy.on_prefill_start(
-                plan.prefill_id, request.prompt_token_ids, images(request), request.cache_salt
+                plan.prefill_id, request.prompt_token_ids, images(request), request_root(request)
             )
             self._decode_started(charge, plan.decode_id, cached=False)  # D's KV is spoken for
         else:
@@ -63,7 +64,7 @@ class Accounting:
         """The prompt's KV reached the request's D (P handed it off)."""
         request = charge.request
         self.policy.on_prompt_cached(
-            charge.decode_on, request.prompt_token_ids, images(request), request.cache_salt
+            charge.decode_on, request.prompt_token_ids, images(request), request_root(request)
         )
 
     def release(self, charge: Charge) -> None:
@@ -92,7 +93,7 @@ class Accounting:
             self._max_tokens(request),
             images(request),
             cached,
-            request.cache_salt,
+            request_root(request),
         )
 
     def _max_tokens(self, request: Request) -> int:

@@ -23,6 +23,7 @@ from pdcluster.actors.front.bridge import Sink
 from pdcluster.actors.front.flight import Flight, error_output
 from pdcluster.actors.messages import Route, StageTimes
 from pdcluster.actors.pixels import by_reference
+from pdcluster.engine.kv_cache_manager import request_root
 from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.engine.request import Request
 from pdcluster.routing.handoff import resume
@@ -99,9 +100,11 @@ class Flights:
             self._new_attempt(flight)
         request = flight.request
         try:
+            lora = request.lora_request
             plan = plan or self.policy.plan(
-                request.prompt_token_ids, images(request), request.cache_salt
-            )
+                request.prompt_token_ids, images(request), request_root(request),
+                None if lora is None else lora.name,
+            )  # fmt: skip
         except RuntimeError as exc:  # no live instance
             self._finish(flight, [error_output(request.request_id, str(exc), unavailable=True)])
             return

@@ -108,6 +108,7 @@ async def _expand(
             mm_features=base.mm_features,
             cache_salt=base.cache_salt,  # a tenant's beams share only its own blocks
             priority=base.priority,
+            lora_request=base.lora_request,
         )
         for i, beam in enumerate(search.live)
     ]

@@ -1,0 +1,51 @@
+"""LoRA adapters made with `peft` for a preset checkpoint, and transformers + peft's greedy
+output under one: the reference the engine and the cluster are checked against."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# name -> (seed, rank, lora_alpha, target modules, use_rslora)
+ADAPTERS = {
+    "alpha": (1, 8, 16, ALL_PROJECTIONS, False),
+    "beta": (2, 4, 8, ("q_proj", "v_proj", "down_proj"), True),
+    "gamma": (3, 2, 4, ("o_proj", "up_proj"), False),
+}
+
+
+def make_adapters(base_dir: str, out_dir: Path, names=tuple(ADAPTERS)) -> dict[str, object]:
+    """Save each named adapter (random, non-zero A and B) under out_dir/name; name ->
+    the peft model (base + that adapter), ready to run."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    models = {}
+    for name in names:
+        seed, rank, alpha, targets, rslora = ADAPTERS[name]
+        torch.manual_seed(seed)
+        config = peft.LoraConfig(
+            r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
+            init_lora_weights=False,  # B is not zero: the adapter changes the output
+        )  # fmt: skip
+        model = peft.get_peft_model(copy.deepcopy(base), config)
+        model.save_pretrained(str(out_dir / name))
+        models[name] = model.eval()
+    models[None] = base.eval()
+    return models
+
+
+def hf_greedy(model, input_ids: list[int], num_new: int) -> list[int]:
+    """Greedy decoding by full forwards: the plainest reference."""
+    ids = torch.tensor([input_ids])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(num_new):
+            token = int(model(input_ids=ids).logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out

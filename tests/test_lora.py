@@ -1,0 +1,194 @@
+"""Multi-LoRA in one engine (no Ray): adapters made with peft give transformers + peft's
+greedy tokens, mixed with the base model and each other in one batch, under every
+scheduling path; each adapter's prefix blocks are its own; a folder that cannot be served is
+refused with a clear error and changes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pdcluster.engine import LLM, LoRARequest, SamplingParams
+from pdcluster.engine.config import LoRAConfig
+from pdcluster.engine.kv_cache_manager import root_hash
+from pdcluster.engine.llm import engine_config_from_args
+from pdcluster.engine.lora.adapter import LoRAAdapterError
+from tests.lora_utils import hf_greedy, make_adapters
+from tests.scheduler_utils import make_requests, make_scheduler
+
+pytest.importorskip("peft")
+
+NUM_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+VARIANTS = {
+    "plain": {},
+    "chunked": {"max_num_batched_tokens": 8},
+    "preempting": {"block_size": 4, "num_blocks": 24, "max_num_batched_tokens": 64},
+}
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
+def adapted(request, preset_dir, tmp_path_factory):
+    """(base folder, adapters folder, name -> peft reference model)."""
+    base = preset_dir(request.param)
+    folder = tmp_path_factory.mktemp(f"lora-{request.param}")
+    return base, folder, make_adapters(base, folder)
+
+
+def lora(folder, name: str | None) -> LoRARequest | None:
+    return None if name is None else LoRARequest(name, str(folder / name))
+
+
+def prompts_for(vocab: int, n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (int(length),), generator=g).tolist() for length in
+            torch.randint(2, 30, (n,), generator=g)]  # fmt: skip
+
+
+def assert_idle(llm: LLM) -> None:
+    stats = llm.engine.scheduler.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"]
+    assert not llm.engine.scheduler.has_requests()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_batch_mixing_adapters_and_the_base_model_matches_peft(adapted, variant):
+    base, folder, refs = adapted
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, **VARIANTS[variant])
+    names = ["alpha", "beta", None, "alpha", "beta", None]
+    prompts = prompts_for(llm.engine.model_info.vocab_size, len(names))
+    outputs = llm.generate(prompts, GREEDY, lora_request=[lora(folder, n) for n in names])
+    for name, prompt, out in zip(names, prompts, outputs):
+        assert out.token_ids == hf_greedy(refs[name], prompt, NUM_NEW), name
+    assert_idle(llm)
+    if variant == "preempting":
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_more_adapters_than_slots_take_turns(adapted):
+    """max_loras=1: one adapter's requests run at a time (with the base model's), the others
+    wait for the slot; every output still matches."""
+    base, folder, refs = adapted
+    llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=8)
+    names = ["alpha", "beta", "gamma", None, "beta", "alpha"]
+    prompts = prompts_for(llm.engine.model_info.vocab_size, len(names))
+    outputs = llm.generate(prompts, GREEDY, lora_request=[lora(folder, n) for n in names])
+    for name, prompt, out in zip(names, prompts, outputs):
+        assert out.token_ids == hf_greedy(refs[name], prompt, NUM_NEW), name
+    stats = llm.engine.stats()["lora"]
+    assert stats.max_loras == 1 and len(stats.resident) == 1
+    assert_idle(llm)
+
+
+def test_each_adapter_computes_its_own_prefix(adapted):
+    base, folder, refs = adapted
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4)
+    prompt = prompts_for(llm.engine.model_info.vocab_size, 1)[0] * 2  # >= 4 blocks
+    cached = {}
+    for name in ("alpha", "beta", None, "alpha"):
+        out = llm.generate([prompt], GREEDY, lora_request=lora(folder, name))[0]
+        assert out.token_ids == hf_greedy(refs[name], prompt, NUM_NEW), name
+        cached.setdefault(name, []).append(out.num_cached_tokens)
+    assert cached["alpha"][0] == cached["beta"][0] == cached[None][0] == 0
+    assert cached["alpha"][1] >= 4  # its own blocks, found again
+    assert_idle(llm)
+
+
+def test_an_adapter_is_named_by_its_folder_too():
+    a, b = LoRARequest("x", "/one"), LoRARequest("x", "/two")
+    roots = {root_hash(None), root_hash(None, a), root_hash(None, b), root_hash("s", a)}
+    assert len(roots) == 4
+    assert root_hash("s") != root_hash("s", a)
+
+
+def _rewrite(folder, edit_config=None, edit_weights=None) -> None:
+    if edit_config is not None:
+        path = folder / "adapter_config.json"
+        path.write_text(json.dumps(edit_config(json.loads(path.read_text()))))
+    if edit_weights is not None:
+        path = folder / "adapter_model.safetensors"
+        save_file(edit_weights(load_file(str(path))), str(path))
+
+
+def _first_a(weights: dict) -> str:
+    return next(k for k in sorted(weights) if k.endswith("lora_A.weight"))
+
+
+BAD_FOLDERS = {
+    "no_config": (lambda f: (f / "adapter_config.json").unlink(), "no adapter_config.json"),
+    "no_weights": (lambda f: (f / "adapter_model.safetensors").unlink(), "no adapter_model"),
+    "rank_over_limit": (None, "exceeds max_lora_rank 4"),
+    "wrong_shapes": (
+        lambda f: _rewrite(
+            f,
+            edit_weights=lambda w: {**w, _first_a(w): torch.zeros(8, w[_first_a(w)].shape[1] + 1)},
+        ),
+        "do not fit the base model",
+    ),  # fmt: skip
+    "dora": (lambda f: _rewrite(f, edit_config=lambda c: {**c, "use_dora": True}), "use_dora"),
+    "embeddings": (
+        lambda f: _rewrite(
+            f,
+            edit_weights=lambda w: {
+                **w,
+                "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 4),
+            },
+        ),
+        "not a projection LoRA applies to",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FOLDERS))
+def test_a_folder_that_cannot_be_served_is_refused_and_changes_nothing(adapted, case, tmp_path):
+    base, folder, refs = adapted
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in (folder / "alpha").iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    spoil, message = BAD_FOLDERS[case]
+    if spoil is not None:
+        spoil(bad)
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=4)
+    llm.engine.load_lora(LoRARequest("beta", str(folder / "beta")))
+    with pytest.raises(LoRAAdapterError, match=message):
+        llm.engine.load_lora(LoRARequest("bad", str(bad)))
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[5, 6, 7]], GREEDY, lora_request=LoRARequest("bad", str(bad)))
+    assert llm.engine.lora.loaded() == ["beta"]
+    assert_idle(llm)
+    prompt = [5, 6, 7, 8]
+    out = llm.generate([prompt], GREEDY, lora_request=lora(folder, "beta"))[0]
+    assert out.token_ids == hf_greedy(refs["beta"], prompt, NUM_NEW)
+
+
+def test_an_adapter_on_an_engine_without_lora_is_refused(preset_dir):
+    llm = LLM(preset_dir("tiny-llama"))
+    with pytest.raises(ValueError, match="serves no adapters"):
+        llm.generate([[5, 6, 7]], GREEDY, lora_request=LoRARequest("a", "/nowhere"))
+    assert_idle(llm)
+
+
+def test_lora_settings_are_checked():
+    with pytest.raises(ValueError, match="max_loras"):
+        LoRAConfig(max_loras=0)
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        LoRAConfig(max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="enable_lora"):
+        engine_config_from_args("/any", max_loras=2)
+
+
+def test_the_scheduler_runs_at_most_max_loras_adapters_in_a_step():
+    scheduler = make_scheduler()
+    scheduler.admission.max_loras = 2
+    requests = make_requests(6)
+    names = ["a", "b", "c", None, "a", "c"]
+    for request, name in zip(requests, names):
+        request.lora_request = None if name is None else LoRARequest(name, f"/{name}")
+        scheduler.add_request(request)
+    so = scheduler.schedule()
+    scheduled = [names[int(r[3:])] for r in so.num_scheduled_tokens]
+    assert scheduled == ["a", "b", None, "a"]  # c waits: a and b hold the two slots
