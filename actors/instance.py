@@ -10,6 +10,7 @@ to the gateway replicas' routers.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from pdcluster.connectors.ray_ec import RayECConnector
 from pdcluster.connectors.ray_kv import RayKVConnector
 from pdcluster.connectors.ray_kv_pool import RayKVPoolConnector
 from pdcluster.engine.core import EngineCore, resolve_device
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.engine.precision import Precision
 from pdcluster.engine.request import Request
@@ -105,6 +107,21 @@ class InstanceActor(InstanceBase):
             self._handoffs[rid] = (request, route.decode_id)
             request = for_prefill(request)
         self._inbox.put(AddRequest(request, received_s, route.ec_handle))
+
+    async def load_lora(self, lora: LoRARequest) -> str | None:
+        """Load a LoRA adapter for requests to come (off the step thread: it reads files);
+        None, or why this instance cannot serve it."""
+        try:
+            await asyncio.to_thread(self.core.load_lora, lora)
+        except ValueError as exc:
+            return str(exc)
+        self._inbox.put(WAKE)  # its stats say so
+        return None
+
+    async def unload_lora(self, name: str) -> None:
+        """Forget a LoRA adapter; requests running on it finish."""
+        self.core.unload_lora(name)
+        self._inbox.put(WAKE)
 
     async def ack_kv(self, request_id: str) -> None:
         """A consumer has read this request's KV (producer role)."""

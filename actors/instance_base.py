@@ -155,6 +155,7 @@ class InstanceBase:
             kv_tokens=s.kv_tokens_reserved,
             num_blocks_free=s.num_blocks_free,
             num_blocks_total=s.num_blocks_total,
+            lora_adapters=() if self._stats.lora is None else self._stats.lora.resident,
         )
         events = self._kv_log.since(epoch, events_after)
         accepting = not (self._draining or self._stopping)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from pdcluster.connectors.stats import ECStats, KVPoolUse, KVTransferStats
+from pdcluster.engine.lora.manager import LoRAStats
 from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.engine.spec_decode.metrics import SpecDecodingStats
 from pdcluster.routing.role import Role
@@ -35,6 +36,7 @@ class LoadReport:
     kv_tokens: int  # KV tokens the unfinished requests hold or may still need
     num_blocks_free: int
     num_blocks_total: int
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters resident in its layers
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class InstanceStats:
     tensor_parallel: TensorParallelStats = field(default_factory=TensorParallelStats)
     sim: SimStats | None = None  # a simulated engine's
     spec_decode: SpecDecodingStats | None = None  # an engine that speculates: its drafts
+    lora: LoRAStats | None = None  # an engine that serves LoRA adapters: theirs
 
     @classmethod
     def unreachable(cls, instance_id: str, role: Role) -> InstanceStats:
@@ -151,8 +154,8 @@ class InstanceStats:
 
 
 # Fields an engine reports typed, under their own names (the connectors' parts, the drafts'
-# counters); one it does not report keeps its default (zero, or None).
-_TYPED_PARTS = ("kv_transfer", "kv_pool", "ec", "spec_decode")
+# counters, its adapters); one it does not report keeps its default (zero, or None).
+_TYPED_PARTS = ("kv_transfer", "kv_pool", "ec", "spec_decode", "lora")
 
 
 _Part = TypeVar("_Part")

@@ -18,6 +18,7 @@ from pdcluster.actors.kv_pool import kv_pool_actor_name
 from pdcluster.actors.messages import KVEvents
 from pdcluster.actors.pool_controller import ON_HEAD, PlacementTimeout, PoolController
 from pdcluster.actors.pool_messages import KVPoolStats, MemberList, PlannerState
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.routing.role import Role
 
 if TYPE_CHECKING:  # built by the launcher above this layer and handed in
@@ -116,6 +117,20 @@ class PoolClient:
         except ray.exceptions.RayTaskError as exc:
             raise _cause(exc) from None
 
+    async def load_lora_adapter(self, lora: LoRARequest) -> dict[str, LoRARequest]:
+        """See `PoolController.load_lora_adapter`; its ValueError raised as it is."""
+        try:
+            return await self.actor.load_lora_adapter.remote(lora)
+        except ray.exceptions.RayTaskError as exc:
+            raise _cause(exc) from None
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, LoRARequest]:
+        """See `PoolController.unload_lora_adapter`; its LookupError raised as it is."""
+        try:
+            return await self.actor.unload_lora_adapter.remote(name)
+        except ray.exceptions.RayTaskError as exc:
+            raise _cause(exc) from None
+
     async def planner_state(self) -> PlannerState:
         return await self.actor.planner_state.remote()
 
@@ -163,6 +178,6 @@ def actor_names(namespace: str) -> list[str]:
 def _cause(exc: ray.exceptions.RayTaskError) -> BaseException:
     """The error the controller raised when it is one of the pool's own (a request that
     cannot be, instances with no room), else Ray's."""
-    if isinstance(exc.cause, (ValueError, PlacementTimeout)):
+    if isinstance(exc.cause, (ValueError, LookupError, PlacementTimeout)):
         return exc.cause
     return exc

@@ -34,6 +34,7 @@ from pdcluster.actors.kv_pool import KVPoolActor, kv_pool_actor_name, kv_pool_ca
 from pdcluster.actors.messages import InstanceStats
 from pdcluster.actors.pool_members import PoolMembers, members_actor_name
 from pdcluster.actors.pool_messages import MemberList, PlannerState
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.routing.role import Role
 
 if TYPE_CHECKING:  # built by the launcher above this layer and handed in
@@ -64,6 +65,7 @@ class PoolController:
             .remote()
         )  # fmt: skip
         self._members: dict[str, Role] = {}  # read from the store before first use
+        self._adapters: dict[str, LoRARequest] = {}  # LoRA adapters served, likewise
         self._loaded = False
         self._epoch = uuid.uuid4().hex[:12]  # this incarnation's: see MemberList
         self._version = 0
@@ -122,7 +124,7 @@ class PoolController:
         if (epoch, version) == (self._epoch, self._version) and wait_s > 0:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed_event().wait(), wait_s)
-        return MemberList(self._epoch, self._version, dict(self._members))
+        return MemberList(self._epoch, self._version, dict(self._members), dict(self._adapters))
 
     async def planner_state(self) -> PlannerState:
         """See `PoolPlan.planner_state`."""
@@ -184,6 +186,8 @@ class PoolController:
             started.append((iid, handle))
         try:
             await self._until_up([h for _, h in started])
+            if role != Role.ENCODER:  # it serves the pool's adapters from its first request
+                await self._load_adapters(started, list(self._adapters.values()))
         except asyncio.TimeoutError:
             for iid, _ in started:
                 self._kill(iid)
@@ -245,6 +249,68 @@ class PoolController:
         await self._save()
         self._kill(iid)
         logger.info("instance %s left pool %s", iid, self.pool)
+
+    # ---- LoRA adapters (gateway replicas load and unload them for clients) -------------
+    async def load_lora_adapter(self, lora: LoRARequest) -> dict[str, LoRARequest]:
+        """Load an adapter on every instance that runs requests (and on each that joins
+        later); the adapters served. ValueError, with no instance keeping it, when the name
+        is taken or an instance cannot serve it (a bad folder, another base model)."""
+        await self._load()
+        async with self._get_lock():
+            if lora.name in self._adapters:
+                raise ValueError(f"LoRA adapter {lora.name!r} is already loaded")
+            runners = self._runners()
+            try:
+                await self._load_adapters(runners, [lora])
+            except ValueError:
+                await self._unload_adapter(runners, lora.name)
+                raise
+            self._adapters[lora.name] = lora
+            await self._save()
+            logger.info("LoRA adapter %s loaded from %s", lora.name, lora.path)
+            return dict(self._adapters)
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, LoRARequest]:
+        """Stop serving an adapter (requests running on it finish); the adapters served.
+        LookupError when it is not loaded."""
+        await self._load()
+        async with self._get_lock():
+            if name not in self._adapters:
+                raise LookupError(f"LoRA adapter {name!r} is not loaded")
+            del self._adapters[name]
+            await self._save()
+            await self._unload_adapter(self._runners(), name)
+            logger.info("LoRA adapter %s unloaded", name)
+            return dict(self._adapters)
+
+    def _runners(self) -> list[tuple[str, ray.actor.ActorHandle]]:
+        """(id, actor) of every member that runs requests (not an encoder)."""
+        handles = ((iid, self._actor(iid)) for iid, r in self._members.items() if r != Role.ENCODER)
+        return [(iid, h) for iid, h in handles if h is not None]
+
+    @staticmethod
+    async def _load_adapters(
+        instances: list[tuple[str, ray.actor.ActorHandle]], loras: list[LoRARequest]
+    ) -> None:
+        """Load each of `loras` on each of `instances`; ValueError saying why one cannot.
+        An instance that does not answer is passed over: it loads an adapter when a request
+        brings it (each names its adapter's folder)."""
+        calls = [(iid, h.load_lora.remote(lora)) for iid, h in instances for lora in loras]
+        answers = await asyncio.gather(*(c for _, c in calls), return_exceptions=True)
+        for (iid, _), answer in zip(calls, answers):
+            if isinstance(answer, ray.exceptions.RayError):
+                logger.warning("instance %s did not load a LoRA adapter: %s", iid, answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+            elif answer is not None:
+                raise ValueError(answer)
+
+    @staticmethod
+    async def _unload_adapter(
+        instances: list[tuple[str, ray.actor.ActorHandle]], name: str
+    ) -> None:
+        calls = [h.unload_lora.remote(name) for _, h in instances]
+        await asyncio.gather(*calls, return_exceptions=True)  # one gone holds nothing
 
     # ---- planner -----------------------------------------------------------------------
     def _ensure_planner(self) -> None:
@@ -317,6 +383,8 @@ class PoolController:
         pool), read once, before anything reads or changes it."""
         if not self._loaded:
             self._members = await self._store.get.remote()
+            kept = await self._store.get_adapters.remote()
+            self._adapters = self.plan.lora_adapters() if kept is None else kept
             self._next_index = self.plan.next_indices(self._members)
             self._loaded = True
 
@@ -334,6 +402,7 @@ class PoolController:
         self._changed = None
         try:
             await self._store.put.remote(dict(self._members))
+            await self._store.put_adapters.remote(dict(self._adapters))
         except ray.exceptions.RayError as exc:
             logger.warning("pool %s: membership not kept (%s)", self.pool, exc)
 

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.routing.role import Role
 
 
@@ -22,6 +23,8 @@ class MemberList:
     epoch: str  # one per controller incarnation: a version from another one is meaningless
     version: int  # one more at every join and every leave
     members: dict[str, Role]  # instance id (its actor name) -> role
+    # The LoRA adapters every instance serves (loaded at start or at run time), by name
+    adapters: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdcluster.actors.front import STATS_TIMEOUT_S, Front
@@ -20,6 +21,7 @@ from pdcluster.actors.pool_messages import KVPoolStats, PlannerState
 from pdcluster.actors.ray_runtime import shutdown_ray
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.engine.llm import RequestOutput, merge_output, new_request_output
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.engine.models.loader import read_model_info
 from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.engine.processor import InputProcessor, PromptType
@@ -77,12 +79,14 @@ class Cluster:
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         request_id = request_id or f"{self._prefix}-{next(self._ids)}"
         params = params or SamplingParams()
         return self.processor.process(
-            request_id, prompt, params, cache_salt=cache_salt, priority=priority
-        )
+            request_id, prompt, params, cache_salt=cache_salt, priority=priority,
+            lora_request=lora_request,
+        )  # fmt: skip
 
     def stream(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
         """Outputs of one request as they arrive; leaving early aborts it everywhere."""
@@ -112,20 +116,51 @@ class Cluster:
         self,
         prompts: Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
-        requests = [self.make_request(p, sp) for p, sp in zip(prompts, params)]
+        requests = [
+            self.make_request(p, sp, lora_request=lora_request) for p, sp in zip(prompts, params)
+        ]
         return list(await asyncio.gather(*(self._collect(r) for r in requests)))
 
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
-        """Like `LLM.generate`, through the cluster (all prompts in flight at once)."""
+        """Like `LLM.generate`, through the cluster (all prompts in flight at once), under
+        `lora_request` (e.g. `cluster.adapters["name"]`) or the base model."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return asyncio.run(self.generate_async(list(prompts), sampling_params))
+        return asyncio.run(self.generate_async(list(prompts), sampling_params, lora_request))
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+    @property
+    def adapters(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters the pool serves, by name (a request's `model`)."""
+        return self.front.adapters
+
+    @property
+    def enable_lora(self) -> bool:
+        return self.config.enable_lora
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """Serve the PEFT adapter in folder `path` as `name` on every instance; ValueError
+        (nothing loaded anywhere) when it cannot be served or the name is taken."""
+        if not self.enable_lora:
+            raise ValueError("this cluster serves no LoRA adapters (start it with enable_lora)")
+        if name == self.model_name:
+            raise ValueError(f"{name!r} is the base model's name")
+        lora = LoRARequest(name, str(Path(path).expanduser().resolve()))
+        self.front.adapters = await self._client.load_lora_adapter(lora)
+        return lora
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (requests running on it finish); LookupError when it
+        is not served."""
+        self.front.adapters = await self._client.unload_lora_adapter(name)
 
     async def _collect(self, request: Request) -> RequestOutput:
         result = new_request_output(request)

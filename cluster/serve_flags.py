@@ -25,6 +25,27 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules item: name=path, or vLLM's JSON {"name": ..., "path": ...}."""
+    if text.lstrip().startswith("{"):
+        item = _json_object(text)
+        if not isinstance(item.get("name"), str) or not isinstance(item.get("path"), str):
+            raise argparse.ArgumentTypeError(f"a LoRA module needs a name and a path: {text!r}")
+        return item["name"], item["path"]
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"a LoRA module is name=path, got {text!r}")
+    return name, path
+
+
+class _Items:
+    """A flag taking one or more items (each parsed by `item`), set in the config as
+    `collect(items)`."""
+
+    def __init__(self, item: Callable[[str], Any], collect: Callable[[list[Any]], Any]) -> None:
+        self.item, self.collect = item, collect
+
+
 # serve flag -> the role whose instance count it sets
 _ROLE_FLAGS = {
     "encoders": Role.ENCODER,
@@ -34,7 +55,7 @@ _ROLE_FLAGS = {
 }
 # serve flag -> (location in the config mapping, argparse type); unset flags keep the
 # YAML's (or the model's default) value, so every default stays defined once, in the config.
-_SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {
+_SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], Callable[[str], Any] | _Items]] = {
     "model": (("model",), str),
     **{flag: ((role.value, "count"), int) for flag, role in _ROLE_FLAGS.items()},
     "host": (("gateway", "host"), str),
@@ -61,6 +82,11 @@ _SERVE_OVERRIDES: dict[str, tuple[tuple[str, ...], Callable[[str], Any]]] = {
     "tensor_parallel_size": (("engine", "tensor_parallel_size"), int),
     "num_threads": (("engine", "num_threads"), int),
     "speculative_config": (("engine", "speculative_config"), _json_object),
+    "enable_lora": (("engine", "enable_lora"), bool),
+    "lora_modules": (("engine", "lora_modules"), _Items(_lora_module, dict)),
+    "max_loras": (("engine", "max_loras"), int),
+    "max_lora_rank": (("engine", "max_lora_rank"), int),
+    "max_cpu_loras": (("engine", "max_cpu_loras"), int),
     "migration_limit": (("router", "migration_limit"), int),
     "kv_pool_size": (("connector", "kv_pool_size_gib"), float),
 }
@@ -74,6 +100,8 @@ SERVE_EXAMPLES = """examples:
   pdcluster serve --model smollm2-135m --tensor-parallel-size 2   # each instance on 2 ranks
   pdcluster serve --model smollm2-135m \\
       --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+  pdcluster serve --model /models/Llama-3.2-1B-Instruct --enable-lora --max-loras 4 \\
+      --lora-modules sql=/adapters/sql chat=/adapters/chat   # requests name an adapter as model
   pdcluster serve --address 10.0.0.5:6379 --model /models/m --mixed 2   # an existing Ray
   pdcluster serve --model /models/Qwen2.5-0.5B-Instruct --enable-auto-tool-choice \\
       --tool-call-parser hermes                   # tool_choice "auto" read as Hermes calls
@@ -99,10 +127,12 @@ def _describe(path: tuple[str, ...]) -> str:
 def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The config mapping the serve flags set (nested like the YAML)."""
     overrides: dict[str, Any] = {}
-    for flag, (path, _) in _SERVE_OVERRIDES.items():
+    for flag, (path, kind) in _SERVE_OVERRIDES.items():
         value = getattr(args, flag)
         if value is None:
             continue
+        if isinstance(kind, _Items):
+            value = kind.collect(value)
         node = overrides
         for key in path[:-1]:
             node = node.setdefault(key, {})
@@ -143,6 +173,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         name, help_text = f"--{flag.replace('_', '-')}", _describe(path)
         if kind is bool:  # a switch: given sets it true, absent keeps the config's
             p.add_argument(name, action="store_const", const=True, default=None, help=help_text)
+        elif isinstance(kind, _Items):
+            p.add_argument(name, type=kind.item, nargs="+", default=None, help=help_text)
         else:
             p.add_argument(name, type=kind, default=None, help=help_text)
     p.add_argument(

@@ -221,7 +221,7 @@ class EngineCore:
                 raise ValueError(
                     f"LoRA adapter {lora.name!r}: this instance serves no adapters (enable_lora)"
                 )
-            self.lora.load(lora)  # read now (LoRAAdapterError when it cannot be served)
+            self.lora.use(lora)  # read now (LoRAAdapterError when it cannot be served)
 
     # ---- LoRA adapters (any thread) ------------------------------------------------------
     def load_lora(self, lora: LoRARequest) -> None:
@@ -293,6 +293,7 @@ class EngineCore:
             running=names(s.running),
             waiting=names([*s.waiting, *s.skipped_waiting]),
             resident=self.lora.resident(),
+            served=tuple(self.lora.served()),
         )
 
     # ---- one step --------------------------------------------------------------------

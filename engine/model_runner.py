@@ -20,7 +20,7 @@ import torch
 from pdcluster.engine.attention import AttentionMetadata, allocate_kv_cache
 from pdcluster.engine.config import CacheConfig
 from pdcluster.engine.kernels import cpu_kernels
-from pdcluster.engine.lora.adapter import LoRARequest
+from pdcluster.engine.lora.adapter import LoRAAdapter
 from pdcluster.engine.models.decode_kernel import attach_decode_kernels
 from pdcluster.engine.models.loader import ModelInfo
 from pdcluster.engine.models.tiered_linear import prepare_linears
@@ -63,7 +63,7 @@ class CachedRequestState:
     # the target's KV is valid too (engine.spec_decode.draft_model)
     num_draft_computed: int = 0
     sends_kv: bool = False  # see NewRequestData.sends_kv
-    lora_request: LoRARequest | None = None
+    lora: LoRAAdapter | None = None  # the adapter it runs under, its weights held
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -158,7 +158,7 @@ class ModelRunner:
             num_prompt_tokens=len(new.prompt_token_ids) - new.num_prior_output_tokens,
             num_draft_computed=new.num_draft_computed_tokens,
             sends_kv=new.sends_kv,
-            lora_request=new.lora_request,
+            lora=None if new.lora_request is None else self.lora.get(new.lora_request),
         )
         if new.sampling_params.has_penalties:
             state = self.requests[new.req_id]
@@ -205,7 +205,7 @@ class ModelRunner:
             computed = [s.num_computed_tokens for s in states]
             self.tp.start_step(StepInputs(input_ids, computed, num_scheduled, tables))
         if self.lora is not None:
-            self.lora.prepare([s.lora_request for s in states], num_scheduled)
+            self.lora.prepare([s.lora for s in states], num_scheduled)
         embeds = self.model.embed_tokens(ids)  # [T, hidden]
         if self.info.is_multimodal:
             self._merge_encoder_outputs(embeds, states, num_scheduled)

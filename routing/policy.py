@@ -65,6 +65,8 @@ class InstanceLoad:
     own_at_publish: Load = field(default_factory=Load)  # `own` when that report came
     cached_blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
     num_blocks_total: int | None = None  # its KV pool, as last reported
+    # LoRA adapters resident in its layers, as last reported (and those sent there since)
+    adapters: set[str] = field(default_factory=set)
 
     def load(self, name: str) -> int:
         """Published load plus what this replica changed since; its own alone before any
@@ -160,13 +162,19 @@ class RouterPolicy:
         self.instances[instance_id].late = True
 
     def apply_report(
-        self, instance_id: str, published: Load, num_blocks_total: int | None = None
+        self,
+        instance_id: str,
+        published: Load,
+        num_blocks_total: int | None = None,
+        adapters: Iterable[str] = (),
     ) -> None:
-        """The instance's own count of its load (and size of its KV pool), as of now."""
+        """The instance's own count of its load (and size of its KV pool, and the LoRA
+        adapters resident there), as of now."""
         load = self.instances.get(instance_id)
         if load is not None:
             load.published = published
             load.num_blocks_total = num_blocks_total
+            load.adapters = set(adapters)
             load.own_at_publish = Load(**{f: getattr(load.own, f) for f in LOAD_FIELDS})
 
     def apply_kv_events(
@@ -209,22 +217,48 @@ class RouterPolicy:
         lora_name: str | None = None,
     ) -> Plan:
         """Pick instances for a prompt whose images are (offset, end, mm_hash) runs (and whose
-        blocks chain from `root`); raises RuntimeError when no live instance can serve."""
+        blocks chain from `root`; `lora_name`: the LoRA adapter it runs under); raises
+        RuntimeError when no live instance can serve."""
         hashes = block_hashes(prompt_token_ids, self.config.block_size, images, root)
         encoder = self._least(self._live(Role.ENCODER), "num_active") if images else None
         encoder_id = encoder.instance_id if encoder else None
         prefills, decodes = self._live(Role.PREFILL), self._live(Role.DECODE)
         if prefills and decodes:
-            decode = self._least(decodes, "kv_tokens")
+            decode = self._least(self._holding(decodes, lora_name, "kv_tokens"), "kv_tokens")
             if self._prefill_on_decode(prompt_token_ids, hashes, decode):
-                return Plan(encoder_id, None, decode.instance_id)
+                return self._planned(Plan(encoder_id, None, decode.instance_id), lora_name)
+            prefills = self._holding(prefills, lora_name, "queued_prefill_tokens")
             prefill = self._pick(prefills, hashes, "queued_prefill_tokens")
-            return Plan(encoder_id, prefill.instance_id, decode.instance_id)
+            plan = Plan(encoder_id, prefill.instance_id, decode.instance_id)
+            return self._planned(plan, lora_name)
         # A role is missing: serve colocated, on mixed instances first.
         pool = self._live(Role.MIXED) or prefills or decodes
         if not pool:
             raise RuntimeError("no live instance can serve this request")
-        return Plan(encoder_id, None, self._pick(pool, hashes, "kv_tokens").instance_id)
+        pool = self._holding(pool, lora_name, "kv_tokens")
+        return self._planned(
+            Plan(encoder_id, None, self._pick(pool, hashes, "kv_tokens").instance_id), lora_name
+        )
+
+    def _holding(
+        self, candidates: list[InstanceLoad], lora_name: str | None, load: str
+    ) -> list[InstanceLoad]:
+        """The candidates that hold the adapter `lora_name` (it runs there without a load)
+        when the least loaded of them is within `prefix_slack_tokens` of the least loaded of
+        all; else all of them."""
+        holders = [c for c in candidates if lora_name in c.adapters]
+        if lora_name is None or not holders:
+            return candidates
+        slack = self._least(holders, load).load(load) - self._least(candidates, load).load(load)
+        return holders if slack <= self.config.prefix_slack_tokens else candidates
+
+    def _planned(self, plan: Plan, lora_name: str | None) -> Plan:
+        """`plan`, its instances noted as holding `lora_name` from now on."""
+        if lora_name is not None:
+            for iid in (plan.prefill_id, plan.decode_id):
+                if iid is not None:
+                    self.instances[iid].adapters.add(lora_name)
+        return plan
 
     def _prefill_on_decode(
         self, prompt: list[int], hashes: list[int], decode: InstanceLoad

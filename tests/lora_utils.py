@@ -49,3 +49,18 @@ def hf_greedy(model, input_ids: list[int], num_new: int) -> list[int]:
             out.append(token)
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     return out
+
+
+def adapter_of_another_base(out_dir: Path) -> Path:
+    """A LoRA adapter saved for a Llama of another width (hidden 32, not the presets' 64)."""
+    import peft
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    lora = peft.LoraConfig(r=4, target_modules=list(ALL_PROJECTIONS), init_lora_weights=False)
+    peft.get_peft_model(model, lora).save_pretrained(str(out_dir))
+    return out_dir

@@ -158,7 +158,7 @@ def test_a_folder_that_cannot_be_served_is_refused_and_changes_nothing(adapted, 
         llm.engine.load_lora(LoRARequest("bad", str(bad)))
     with pytest.raises(ValueError, match=message):
         llm.generate([[5, 6, 7]], GREEDY, lora_request=LoRARequest("bad", str(bad)))
-    assert llm.engine.lora.loaded() == ["beta"]
+    assert llm.engine.lora.served() == ["beta"]
     assert_idle(llm)
     prompt = [5, 6, 7, 8]
     out = llm.generate([prompt], GREEDY, lora_request=lora(folder, "beta"))[0]
@@ -192,3 +192,18 @@ def test_the_scheduler_runs_at_most_max_loras_adapters_in_a_step():
     so = scheduler.schedule()
     scheduled = [names[int(r[3:])] for r in so.num_scheduled_tokens]
     assert scheduled == ["a", "b", None, "a"]  # c waits: a and b hold the two slots
+
+
+def test_an_unloaded_adapter_is_no_longer_served_but_its_requests_still_run(adapted):
+    base, folder, refs = adapted
+    llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=8)
+    alpha = lora(folder, "alpha")
+    llm.engine.load_lora(alpha)
+    assert llm.engine.lora.served() == ["alpha"]
+    assert llm.engine.unload_lora("alpha") and not llm.engine.unload_lora("alpha")
+    prompt = [9, 8, 7, 6]
+    out = llm.generate([prompt], GREEDY, lora_request=alpha)[0]  # e.g. a D's handoff
+    assert out.token_ids == hf_greedy(refs["alpha"], prompt, NUM_NEW)
+    assert llm.engine.lora.served() == []
+    llm.engine.load_lora(alpha)  # served again once loaded again
+    assert llm.engine.lora.served() == ["alpha"]

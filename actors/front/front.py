@@ -28,6 +28,7 @@ from pdcluster.actors.front.membership import Members, Membership, PoolEvents, R
 from pdcluster.actors.front.pulls import Pulls
 from pdcluster.actors.front.traces import Traces
 from pdcluster.actors.messages import InstanceStats, RequestTrace
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.engine.outputs import EngineCoreOutput, coalesce
 from pdcluster.engine.request import Request
 from pdcluster.routing.policy import RouterConfig, RouterPolicy
@@ -110,6 +111,16 @@ class Front:
             if unfinished:
                 rids = [requests[i].request_id for i in unfinished]
                 self._thread.on_loop(loop, self._abort, rids)
+
+    @property
+    def adapters(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters the pool serves, by name, as this replica last heard."""
+        return self._membership.adapters
+
+    @adapters.setter
+    def adapters(self, adapters: dict[str, LoRARequest]) -> None:
+        """What a load or unload through this replica answered: it need not wait to hear."""
+        self._membership.adapters = dict(adapters)
 
     def handles(self) -> dict[str, tuple[str, ActorHandle]]:
         """The pool as this replica sees it: instance id -> (role, handle)."""

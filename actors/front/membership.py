@@ -21,6 +21,7 @@ from pdcluster.actors.front.flights import Flights
 from pdcluster.actors.front.instances import Instances
 from pdcluster.actors.messages import KVEvents
 from pdcluster.actors.pool_messages import MemberList
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.routing.role import Role
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class Membership:
         self._members_cursor: tuple[str | None, int] = (None, -1)
         self._kv_pool_cursor: tuple[str | None, int] = (None, -1)
         self._lookup = lookup or _get_actor
+        # The LoRA adapters the pool serves, by name, as last read (or set by a load)
+        self.adapters: dict[str, LoRARequest] = {}
 
     async def watch(
         self,
@@ -84,6 +87,7 @@ class Membership:
             return
         handles = await asyncio.get_running_loop().run_in_executor(None, self._handles, members)
         self._apply(members.members, handles)
+        self.adapters = dict(members.adapters)
         if all(iid in self._instances for iid in members.members):  # else: again next read
             self._members_cursor = (members.epoch, members.version)
 

@@ -109,6 +109,7 @@ class Pulls:
             instance_id,
             Load(load.num_active, load.queued_prefill_tokens, load.kv_tokens),
             load.num_blocks_total,
+            load.lora_adapters,
         )
         events = reply.events
         policy.apply_kv_events(instance_id, events.stored, events.removed, events.reset)

@@ -13,14 +13,18 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdcluster import __version__
 from pdcluster.actors.messages import InstanceStats
-from pdcluster.cluster.api.admin_protocol import ScaleRequest
+from pdcluster.cluster.api.admin_protocol import (
+    LoadLoRAAdapterRequest,
+    ScaleRequest,
+    UnloadLoRAAdapterRequest,
+)
 from pdcluster.cluster.api.chat import Chat
 from pdcluster.cluster.api.chat_protocol import ChatCompletionRequest
 from pdcluster.cluster.api.cluster_client import ClusterClient
@@ -35,6 +39,7 @@ from pdcluster.cluster.api.serving import Serving
 from pdcluster.cluster.api.tokens import detokenize, tokenize
 from pdcluster.cluster.api.tokens_protocol import DetokenizeRequest, TokenizeRequest
 from pdcluster.cluster.config import GatewaySettings
+from pdcluster.engine.lora.adapter import LoRARequest
 
 CLUSTER_VIEW_TIMEOUT_S = 1.0  # /v1/cluster and /metrics: an instance slower than this is
 # reported unreachable (one restarting would otherwise hold every call for seconds)
@@ -54,12 +59,16 @@ def create_app(
         Guard, settings=settings, http_requests=metrics.http_requests, routes=app.router.routes
     )
 
-    def model_card() -> dict[str, Any]:
+    def model_card(lora: LoRARequest | None = None) -> dict[str, Any]:
+        """The base model's card, or a LoRA adapter's (its folder as `root`, the base model
+        as `parent`, as vLLM lists them)."""
         return {
-            "id": model_name,
+            "id": model_name if lora is None else lora.name,
             "object": "model",
             "created": created,
             "owned_by": "pdcluster",
+            "root": model_name if lora is None else lora.path,
+            "parent": None if lora is None else model_name,
             "max_model_len": max_model_len,
         }
 
@@ -95,13 +104,34 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        adapters = sorted(cluster.adapters.values(), key=lambda lora: lora.name)
+        return {"object": "list", "data": [model_card(), *map(model_card, adapters)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != model_name:
-            raise APIError(404, serving.no_such_model(model_id), "model_not_found", "model")
-        return model_card()
+        return model_card(serving.lora_for(model_id))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        body = await serving.parse(request, LoadLoRAAdapterRequest)
+        if body.load_inplace:
+            raise APIError(400, "load_inplace: replacing a loaded adapter is not supported; "
+                           "unload it first", "invalid_value", "load_inplace")  # fmt: skip
+        try:
+            await cluster.load_lora_adapter(body.lora_name, body.lora_path)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value", "lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        body = await serving.parse(request, UnloadLoRAAdapterRequest)
+        try:
+            await cluster.unload_lora_adapter(body.lora_name)
+        except LookupError:
+            message = f"The lora adapter '{body.lora_name}' cannot be found."
+            raise APIError(404, message, "model_not_found", "lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize", openapi_extra=_request_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> dict[str, Any]:

@@ -48,7 +48,7 @@ class Chat:
                 "id": rid,
                 "object": "chat.completion",
                 "created": int(time.time()),
-                "model": serving.model_name,
+                "model": serving.model_of(group.requests[0]),
                 "choices": choices,
                 "usage": usage(group.results),
                 # vLLM's place for them; each choice carries its own too
@@ -119,7 +119,8 @@ class Chat:
     ) -> AsyncGenerator[bytes, None]:
         """With `calling`, each choice's text goes through its ToolCallStream: content until
         calls begin, then tool-call deltas."""
-        sse = ChunkEncoder(rid, "chat.completion.chunk", int(time.time()), self.serving.model_name)
+        model = self.serving.model_of(group.requests[0])
+        sse = ChunkEncoder(rid, "chat.completion.chunk", int(time.time()), model)
         role = {"role": "assistant", "content": ""}
         for result in group.results:
             choice = {"index": result.index, "delta": role, "logprobs": None, "finish_reason": None}

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from pdcluster.actors.messages import InstanceStats
 from pdcluster.actors.pool_messages import KVPoolStats, PlannerState
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.engine.request import Request as EngineRequest
 from pdcluster.engine.sampling_params import SamplingParams
@@ -27,7 +28,15 @@ class ClusterClient(Protocol):
         request_id: str,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> EngineRequest: ...
+
+    adapters: dict[str, LoRARequest]  # the LoRA adapters served, by name
+    enable_lora: bool
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest: ...
+
+    async def unload_lora_adapter(self, name: str) -> None: ...
 
     kv_tokens_per_instance: int | None
     serving_roles: frozenset[Role]  # the topology's roles, each needing a ready instance

@@ -74,7 +74,7 @@ class Completions:
                 "id": rid,
                 "object": "text_completion",
                 "created": int(time.time()),
-                "model": serving.model_name,
+                "model": serving.model_of(groups[0].requests[0]),
                 "choices": choices,
                 "usage": usage([r for g in groups for r in g.results]),
             },
@@ -107,7 +107,8 @@ class Completions:
     ) -> AsyncGenerator[bytes, None]:
         """An echo goes first; with logprobs it waits for the prompt's, which come with its
         sequence's first output, and goes out in that chunk."""
-        sse = ChunkEncoder(rid, "text_completion", int(time.time()), self.serving.model_name)
+        model = self.serving.model_of(groups[0].requests[0])
+        sse = ChunkEncoder(rid, "text_completion", int(time.time()), model)
         results = [r for g in groups for r in g.results]
         prompt_ids = [g.requests[0].prompt_token_ids for g in groups]
         # by choice index: the tokens' text sent so far, where the next text_offset starts

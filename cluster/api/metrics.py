@@ -169,6 +169,7 @@ class _InstanceCollector(Collector):
                     family.add_metric(self._vllm_labels(s), float(one.value(s)))
                 yield family
         yield self._accepted_per_position(answered)
+        yield self._lora_requests_info(answered)
         yield _latency(
             "pdcluster_kv_transfer_latency_seconds",
             "KV load latency on the consumer (start of load to copied into blocks)",
@@ -195,6 +196,23 @@ class _InstanceCollector(Collector):
             if s.spec_decode is not None:
                 for pos, n in enumerate(s.spec_decode.num_accepted_tokens_per_pos):
                     family.add_metric([*self._vllm_labels(s), str(pos)], float(n))
+        return family
+
+    def _lora_requests_info(self, answered: list[InstanceStats]) -> GaugeMetricFamily:
+        """vLLM's LoRA info gauge, per instance that serves adapters: the adapters of its
+        running and waiting requests (comma-separated) in labels, its snapshot time as the
+        value."""
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests",
+            labels=[*_VLLM_LABELS, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        now = time.time()
+        for s in answered:
+            if s.lora is not None:
+                lora = s.lora
+                labels = [str(lora.max_loras), ",".join(lora.waiting), ",".join(lora.running)]
+                family.add_metric([*self._vllm_labels(s), *labels], now)
         return family
 
     def _vllm_labels(self, s: InstanceStats) -> list[str]:

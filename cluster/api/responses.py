@@ -50,7 +50,7 @@ class Responses:
             raise APIError(400, exc.errors()[0]["msg"], "invalid_value", "tool_choice") from None
         rid = f"resp_{self.serving.request_id(http, chat_body)}"
         group, calling = await self.chat.prepare(chat_body, rid, "text.format")
-        draft = Draft(rid, time.time(), body, group, self.serving.model_name)
+        draft = Draft(rid, time.time(), body, group, self.serving.model_of(group.requests[0]))
         if body.stream:
             return EventStreamResponse(self._events(draft, calling))
         await self.serving.runner.run_to_end(http, [group])

@@ -26,6 +26,7 @@ from pdcluster.cluster.api.results import Group, Result
 from pdcluster.cluster.api.runner import GroupRunner
 from pdcluster.cluster.api.tool_parsers import ToolParser, tool_parser
 from pdcluster.cluster.config import GatewaySettings
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.engine.multimodal import decode_data_url, load_image
 from pdcluster.engine.outputs import TopLogprobs
 from pdcluster.engine.request import Request as EngineRequest
@@ -63,14 +64,31 @@ class Serving:
         return self.cluster.tokenizer
 
     async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
-        """The body as `model`, for this server's model (another model id is a 404)."""
+        """The body as `model`, for this server's model or one of its LoRA adapters (another
+        model id is a 404)."""
         parsed = await parse_body(request, model, self.settings.max_body_bytes)
-        if getattr(parsed, "model", None) not in (None, self.model_name):
-            raise APIError(404, self.no_such_model(parsed.model), "model_not_found", "model")
+        self.lora_for(getattr(parsed, "model", None))
         return parsed
 
+    def lora_for(self, model_id: str | None) -> LoRARequest | None:
+        """The LoRA adapter a body's `model` names (None: the base model); 404 for a model
+        id this server does not serve."""
+        if model_id is None or model_id == self.model_name:
+            return None
+        lora = self.cluster.adapters.get(model_id)
+        if lora is None:
+            raise APIError(404, self.no_such_model(model_id), "model_not_found", "model")
+        return lora
+
+    def model_of(self, request: EngineRequest) -> str:
+        """The model id a request was served as: its LoRA adapter's, else the base model's."""
+        lora = request.lora_request
+        return self.model_name if lora is None else lora.name
+
     def no_such_model(self, model_id: str) -> str:
-        return f"model {model_id!r} does not exist; this server serves {self.model_name!r}"
+        adapters = sorted(self.cluster.adapters)
+        also = f" and the LoRA adapters {adapters}" if adapters else ""
+        return f"model {model_id!r} does not exist; this server serves {self.model_name!r}{also}"
 
     # ---- request building ------------------------------------------------------------
     def request_id(self, http: Request, body: CompletionRequest | ChatCompletionRequest) -> str:
@@ -167,8 +185,9 @@ class Serving:
         if isinstance(prompt, str):
             self.fits(prompt)
         request = self.cluster.make_request(
-            prompt, params, f"{rid}-{uuid.uuid4().hex[:8]}", body.cache_salt, body.priority
-        )
+            prompt, params, f"{rid}-{uuid.uuid4().hex[:8]}", body.cache_salt, body.priority,
+            self.lora_for(body.model),
+        )  # fmt: skip
         room = self.max_model_len - request.num_prompt_tokens
         if room < 1:
             raise ValueError(

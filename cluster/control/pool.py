@@ -16,6 +16,7 @@ from pdcluster.actors.pool_controller import PlacementTimeout
 from pdcluster.actors.pool_messages import PlannerState, ScalingCount
 from pdcluster.cluster.config import ClusterConfig
 from pdcluster.cluster.control.planner import Decision, Planner, signals_from_stats
+from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.routing.role import Role
 
 READY_TIMEOUT_S = 300.0  # the longest wait for the next new instance: placement, model load
@@ -84,6 +85,10 @@ class PoolPlan:
     @property
     def planner_interval_s(self) -> float:
         return self.config.autoscale.interval_s
+
+    def lora_adapters(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters served from the start (the config's lora_modules)."""
+        return self.config.lora_adapters()
 
     def initial_roles(self) -> list[Role]:
         """One entry per instance the topology starts with."""

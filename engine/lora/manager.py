@@ -1,10 +1,12 @@
-"""The adapters one engine serves: those loaded into memory (up to `max_cpu_loras` kept,
-least recently used dropped first, any reloadable from its folder) and the `max_loras` of
-them resident in the model's layers, one per slot, for the step that runs them.
+"""The adapters one engine serves (`load`ed, until `unload`ed), their weights in memory (up
+to `max_cpu_loras` kept, least recently used dropped first, any read again from its folder
+when used), and the `max_loras` of them resident in the model's layers, one per slot, for
+the step that runs them. A request keeps the weights it started with: an adapter unloaded
+while its requests run lets them finish.
 
-`load` runs on the instance's event loop (a run-time load, checked before any request uses
-it); everything else on the step thread. The scheduler keeps the adapters of one step's
-running requests within `max_loras`, so `prepare` always finds them a slot.
+`load` and `get` run on any thread (a run-time load runs on the instance's event loop);
+`prepare` on the step thread. The scheduler keeps the adapters of one step's running
+requests within `max_loras`, so `prepare` always finds them a slot.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from pdcluster.engine.lora.layers import LoRABatch, attach_lora
 @dataclass(frozen=True)
 class LoRAStats:
     """An engine's adapters (vLLM's `lora_requests_info`): of its running and waiting
-    requests, and those resident in its layers."""
+    requests, those resident in its layers, and those it serves (loaded, not unloaded)."""
 
     max_loras: int
     running: tuple[str, ...] = ()
     waiting: tuple[str, ...] = ()
     resident: tuple[str, ...] = ()
+    served: tuple[str, ...] = ()
 
 
 class LoRAManager:
@@ -41,51 +44,79 @@ class LoRAManager:
         self.layers = attach_lora(model, self.batch, config.max_loras, config.max_lora_rank)
         self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
         self._lock = threading.Lock()
-        self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recent first
+        self._served: dict[str, LoRARequest] = {}  # loaded and not unloaded, by name
+        self._unloaded: set[str] = set()  # names unloaded (and not loaded again) here
+        self._in_memory: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recent first
         self._slots: list[LoRAAdapter | None] = [None] * config.max_loras
         self._slot_use = OrderedDict.fromkeys(range(config.max_loras))  # least recent first
 
     # ---- loading (any thread) ----------------------------------------------------------
     def load(self, lora: LoRARequest) -> LoRAAdapter:
-        """The adapter, read from its folder unless loaded already; LoRAAdapterError when
-        the folder cannot be served or the name is loaded from another folder."""
+        """Serve the adapter from now on, read from its folder unless in memory already;
+        LoRAAdapterError when the folder cannot be served or the name is served from another
+        folder."""
         with self._lock:
-            adapter = self._loaded.get(lora.name)
-            if adapter is not None:
-                if adapter.path != lora.path:
-                    raise LoRAAdapterError(
-                        f"LoRA adapter {lora.name!r} is loaded from {adapter.path}, not {lora.path}"
-                    )
-                self._loaded.move_to_end(lora.name)
+            served = self._served.get(lora.name)
+        if served is not None and served != lora:
+            raise LoRAAdapterError(
+                f"LoRA adapter {lora.name!r} is loaded from {served.path}, not {lora.path}"
+            )
+        with self._lock:
+            self._served[lora.name] = lora  # before `get`, which keeps served ones in memory
+            self._unloaded.discard(lora.name)
+        try:
+            return self.get(lora)
+        except LoRAAdapterError:
+            with self._lock:
+                if served is None:
+                    del self._served[lora.name]
+            raise
+
+    def use(self, lora: LoRARequest) -> LoRAAdapter:
+        """The adapter of a new request: served from now on (`load`), unless it was unloaded
+        here (a request that started before that finishes on it, nothing more)."""
+        with self._lock:
+            unloaded = lora.name in self._unloaded
+        return self.get(lora) if unloaded else self.load(lora)
+
+    def get(self, lora: LoRARequest) -> LoRAAdapter:
+        """The adapter's weights: from memory, else read from its folder (and kept, when it
+        is served); LoRAAdapterError when the folder cannot be served."""
+        with self._lock:
+            adapter = self._in_memory.get(lora.name)
+            if adapter is not None and adapter.key == lora:
+                self._in_memory.move_to_end(lora.name)
                 return adapter
         adapter = read_adapter(lora, self.shapes, self.config.max_lora_rank, self.dtype)
         with self._lock:
-            self._loaded[lora.name] = adapter
-            self._loaded.move_to_end(lora.name)
-            while len(self._loaded) > self.config.cpu_loras:
-                self._loaded.popitem(last=False)
+            if self._served.get(lora.name) == lora:
+                self._in_memory[lora.name] = adapter
+                while len(self._in_memory) > self.config.cpu_loras:
+                    self._in_memory.popitem(last=False)
         return adapter
 
     def unload(self, name: str) -> bool:
-        """Forget the adapter (requests still running on it finish: they carry its folder);
-        whether it was loaded."""
+        """Stop serving the adapter (requests running on it finish: they hold its weights);
+        whether it was served."""
         with self._lock:
-            return self._loaded.pop(name, None) is not None
+            self._in_memory.pop(name, None)
+            self._unloaded.add(name)
+            return self._served.pop(name, None) is not None
 
-    def loaded(self) -> list[str]:
+    def served(self) -> list[str]:
         with self._lock:
-            return list(self._loaded)
+            return list(self._served)
 
     # ---- one step (step thread) --------------------------------------------------------
-    def prepare(self, loras: Sequence[LoRARequest | None], num_tokens: Sequence[int]) -> None:
-        """Group the step's token rows by adapter (request i: `loras[i]`, `num_tokens[i]`
+    def prepare(self, adapters: Sequence[LoRAAdapter | None], num_tokens: Sequence[int]) -> None:
+        """Group the step's token rows by adapter (request i: `adapters[i]`, `num_tokens[i]`
         rows, in batch order), each adapter resident in a slot."""
         rows: dict[int, list[int]] = {}
         start = 0
-        wanted = {lora for lora in loras if lora is not None}
-        for lora, n in zip(loras, num_tokens):
-            if lora is not None:
-                slot = self._slot_for(self.load(lora), wanted)
+        wanted = {adapter.key for adapter in adapters if adapter is not None}
+        for adapter, n in zip(adapters, num_tokens):
+            if adapter is not None:
+                slot = self._slot_for(adapter, wanted)
                 rows.setdefault(slot, []).extend(range(start, start + n))
             start += n
         self.batch.groups = [(slot, _rows(r)) for slot, r in rows.items()]
