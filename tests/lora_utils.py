@@ -20,23 +20,29 @@ ADAPTERS = {
 def make_adapters(base_dir: str, out_dir: Path, names=tuple(ADAPTERS)) -> dict[str, object]:
     """Save each named adapter (random, non-zero A and B) under out_dir/name; name ->
     the peft model (base + that adapter), ready to run."""
-    import peft
     import transformers
 
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    models = {}
-    for name in names:
-        seed, rank, alpha, targets, rslora = ADAPTERS[name]
-        torch.manual_seed(seed)
-        config = peft.LoraConfig(
-            r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
-            init_lora_weights=False,  # B is not zero: the adapter changes the output
-        )  # fmt: skip
-        model = peft.get_peft_model(copy.deepcopy(base), config)
-        model.save_pretrained(str(out_dir / name))
-        models[name] = model.eval()
+    models = {name: make_adapter(base, out_dir / name, *ADAPTERS[name]) for name in names}
     models[None] = base.eval()
     return models
+
+
+def make_adapter(
+    base, out: Path, seed: int, rank: int, alpha: int, targets: tuple[str, ...], rslora: bool
+):
+    """A random adapter of `base` (a transformers model, left as it is) saved in `out`; the
+    peft model (a copy of `base` with the adapter)."""
+    import peft
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
+        init_lora_weights=False,  # B is not zero: the adapter changes the output
+    )  # fmt: skip
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    model.save_pretrained(str(out))
+    return model.eval()
 
 
 def hf_greedy(model, input_ids: list[int], num_new: int) -> list[int]:

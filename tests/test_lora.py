@@ -16,7 +16,7 @@ from pdcluster.engine.config import LoRAConfig
 from pdcluster.engine.kv_cache_manager import root_hash
 from pdcluster.engine.llm import engine_config_from_args
 from pdcluster.engine.lora.adapter import LoRAAdapterError
-from tests.lora_utils import hf_greedy, make_adapters
+from tests.lora_utils import ALL_PROJECTIONS, hf_greedy, make_adapter, make_adapters
 from tests.scheduler_utils import make_requests, make_scheduler
 
 pytest.importorskip("peft")
@@ -207,3 +207,34 @@ def test_an_unloaded_adapter_is_no_longer_served_but_its_requests_still_run(adap
     assert llm.engine.lora.served() == []
     llm.engine.load_lora(alpha)  # served again once loaded again
     assert llm.engine.lora.served() == ["alpha"]
+
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3_text", "qwen3_moe"])
+def test_other_architectures_match_peft(arch, preset_dir, tmp_path):
+    """Qwen3 (q/k norms), Gemma 2 and 3 (their own norms and soft caps), and a sparse MoE
+    (attention adapted; its experts are refused, as PEFT targets them by parameter)."""
+    import transformers
+
+    from tests.arch_checkpoints import make_checkpoint
+
+    base_dir = make_checkpoint(arch, tmp_path / arch, preset_dir("tiny-llama"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    targets = ATTENTION if arch == "qwen3_moe" else ALL_PROJECTIONS
+    ref = make_adapter(base, tmp_path / "adapter", 5, 8, 16, targets, False)
+    llm = LLM(str(base_dir), enable_lora=True, max_lora_rank=8)
+    prompts = prompts_for(llm.engine.model_info.vocab_size, 3)
+    adapter = LoRARequest("a", str(tmp_path / "adapter"))
+    outputs = llm.generate(prompts, GREEDY, lora_request=[adapter, None, adapter])
+    for prompt, out, model in zip(prompts, outputs, [ref, base.eval(), ref]):
+        assert out.token_ids == hf_greedy(model, prompt, NUM_NEW)
+    assert_idle(llm)
+    if arch == "qwen3_moe":
+        import peft
+
+        experts = peft.LoraConfig(r=4, target_modules=[], target_parameters=["gate_up_proj"])
+        peft.get_peft_model(base, experts).save_pretrained(str(tmp_path / "experts"))
+        with pytest.raises(LoRAAdapterError, match="target_parameters"):
+            llm.engine.load_lora(LoRARequest("experts", str(tmp_path / "experts")))
