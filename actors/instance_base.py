@@ -40,6 +40,7 @@ from pdcluster.actors.tp_worker import exit_instance
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.core import EngineCore
 from pdcluster.engine.encoder_core import EncoderCore
+from pdcluster.engine.lora.adapter import LoRAAdapterError
 from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.engine.parallel import RankLost
 from pdcluster.engine.presets import resolve_model_dir
@@ -304,7 +305,12 @@ class InstanceBase:
         try:
             self.core.add_request(request)
         except ValueError as exc:
-            out = EngineCoreOutput(request.request_id, [], finish_reason="error", error=str(exc))
+            # An adapter this instance cannot read (its folder missing on this node, say):
+            # the gateway plans the request again, elsewhere if it can (router.migration_limit).
+            moves = isinstance(exc, LoRAAdapterError)
+            out = EngineCoreOutput(
+                request.request_id, [], finish_reason="error", error=str(exc), unavailable=moves
+            )
             self._deliver(out)
             return
         self._added(command)

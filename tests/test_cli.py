@@ -110,6 +110,32 @@ def test_speculative_config_flag_is_vllms_json_object(capsys):
     assert code == 2 and "engine.speculative_config" in err and "'num_speculative_tokens'" in err
 
 
+def test_lora_flags_are_vllms(capsys, tmp_path):
+    json_module = '{"name": "chat", "path": "%s", "base_model_name": "m"}' % (tmp_path / "c")
+    config = serve_config(
+        "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--lora-modules",
+        f"sql={tmp_path / 's'}", json_module,
+    )  # fmt: skip
+    lora = config.engine_config("decode", "/models/m").lora
+    assert (lora.max_loras, lora.max_lora_rank, lora.cpu_loras) == (3, 32, 3)
+    adapters = config.lora_adapters()
+    assert {n: a.path for n, a in adapters.items()} == {
+        "sql": str(tmp_path / "s"), "chat": str(tmp_path / "c"),
+    }  # fmt: skip
+    with pytest.raises(SystemExit):
+        serve_config("--enable-lora", "--lora-modules", "no-path")
+    assert "name=path" in capsys.readouterr().err
+    code, err = run_main(capsys, "serve", "--lora-modules", "sql=/a")
+    assert code == 2 and "lora_modules need enable_lora" in err
+
+
+def test_lora_must_be_the_same_on_every_role_that_runs_requests(capsys, tmp_path):
+    config = tmp_path / "t.yaml"
+    config.write_text("prefill: {count: 1}\ndecode: {count: 1, engine: {enable_lora: true}}\n")
+    code, err = run_main(capsys, "serve", "--config", str(config))
+    assert code == 2 and "must be the same for prefill, decode and mixed" in err
+
+
 # ---- errors are one line, exit 2 -----------------------------------------------------------
 
 

@@ -324,3 +324,31 @@ def test_min_kv_tokens_is_the_smallest_reported_healthy_pool_of_the_roles():
     policy.mark_dead("D1")
     assert policy.min_kv_tokens(["decode"]) == 100 * BLOCK
     assert policy.min_kv_tokens(["prefill", "decode"]) == 10 * BLOCK
+
+
+# ---- LoRA adapters -----------------------------------------------------------------------
+
+
+def test_a_request_goes_where_its_adapter_is_resident_within_the_slack():
+    policy = make_policy(prefix_slack_tokens=100)
+    for iid in ("P0", "D0"):
+        policy.apply_report(iid, Load(), adapters=["sql"])
+    policy.on_prefill_start("P0", prompt(60, first=0))  # P0 and D0 busier, within the slack
+    policy.on_decode_start("D0", prompt(10, first=0), max_tokens=50)
+    plan = policy.plan(prompt(20), lora_name="sql")
+    assert (plan.prefill_id, plan.decode_id) == ("P0", "D0")
+    assert policy.plan(prompt(20)).prefill_id == "P1"  # the base model: least loaded
+    assert policy.plan(prompt(20), lora_name="chat").prefill_id == "P1"  # held nowhere
+
+    policy.on_prefill_start("P0", prompt(200, first=5000))  # beyond the slack now
+    assert policy.plan(prompt(20), lora_name="sql").prefill_id == "P1"
+
+
+def test_a_planned_adapter_counts_as_held_until_the_next_report():
+    policy = make_policy(num_prefill=0, num_decode=0, num_mixed=2)
+    first = policy.plan(prompt(8), lora_name="sql").decode_id
+    assert "sql" in policy.instances[first].adapters
+    policy.on_decode_start(first, prompt(8), max_tokens=4)  # more loaded, within the slack
+    assert policy.plan(prompt(8), lora_name="sql").decode_id == first
+    policy.apply_report(first, Load(), adapters=[])  # it evicted the adapter
+    assert "sql" not in policy.instances[first].adapters

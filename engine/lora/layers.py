@@ -1,7 +1,10 @@
 """The model's projections with LoRA: each keeps its base layer and, per resident adapter
 slot, the adapter's A and B matrices, and adds (B A x) * scale to the rows of that slot's
-requests. One step's rows are grouped by adapter (`LoRABatch`, set by the manager before
-the forward pass): a gathered low-rank product per adapter group, the base rows untouched.
+requests. One step's rows are mapped to their slots (`LoRABatch`, set by the manager before
+the forward pass), and every adapter of the step is applied at once: x times every slot's A
+(zero rows past an adapter's rank), each row's own slot kept by a mask, times every slot's
+B, scaled per row. Five tensor ops per projection, whatever the number of adapters in the
+step; the base model's rows get an exact zero added.
 
 Wrapped before the runner packs or quantizes the base layers (they pack under `base`), so
 any weight format takes adapters; LoRA runs at tensor_parallel_size 1.
@@ -9,7 +12,7 @@ any weight format takes adapters; LoRA runs at tensor_parallel_size 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +31,10 @@ LORA_PROJECTIONS: dict[type[nn.Module], tuple[str, ...]] = {
 
 @dataclass
 class LoRABatch:
-    """This step's token rows per adapter slot; empty when no scheduled request has one."""
+    """This step's rows and their slots; `slots` is None when no row has an adapter."""
 
-    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    slots: torch.Tensor | None = None  # [T] each row's slot, max_loras for the base model
+    mask: torch.Tensor | None = None  # [T, max_loras * max_rank] 1 on the row's slot's columns
 
 
 class LoRALinear(nn.Module):
@@ -40,30 +44,34 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.batch = batch
+        self.max_rank = max_rank
         self.in_features, self.out_features = base.in_features, base.out_features
         like = {"dtype": base.weight.dtype, "device": base.weight.device}
-        self.lora_a = torch.zeros(max_loras, max_rank, self.in_features, **like)
-        self.lora_b = torch.zeros(max_loras, self.out_features, max_rank, **like)
-        self.ranks = [0] * max_loras  # 0: the slot's adapter leaves this projection alone
-        self.scales = [0.0] * max_loras
+        # every slot's A, stacked ([slot * max_rank + i] is row i of the slot's A), and B
+        self.lora_a = torch.zeros(max_loras * max_rank, self.in_features, **like)
+        self.lora_b = torch.zeros(self.out_features, max_loras * max_rank, **like)
+        self.scales = torch.zeros(max_loras + 1, **like)  # [max_loras]: the base model's 0
 
     def set_slot(self, slot: int, weights: LoRAWeights | None) -> None:
         """Hold `weights` in `slot` (None: nothing for this projection)."""
-        rank = 0 if weights is None else weights.rank
+        cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        self.lora_a[cols].zero_()
+        self.lora_b[:, cols].zero_()
+        self.scales[slot] = 0.0
         if weights is not None:
-            self.lora_a[slot, :rank].copy_(weights.a)
-            self.lora_b[slot, :, :rank].copy_(weights.b)
-        self.ranks[slot] = rank
-        self.scales[slot] = 0.0 if weights is None else weights.scale
+            rank = weights.rank
+            self.lora_a[cols.start : cols.start + rank].copy_(weights.a)
+            self.lora_b[:, cols.start : cols.start + rank].copy_(weights.b)
+            self.scales[slot] = weights.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        for slot, rows in self.batch.groups:
-            rank = self.ranks[slot]
-            if rank:
-                a, b = self.lora_a[slot, :rank], self.lora_b[slot, :, :rank]
-                out[rows] += F.linear(F.linear(x[rows], a), b) * self.scales[slot]
-        return out
+        batch = self.batch
+        if batch.slots is None:
+            return out
+        low = F.linear(x, self.lora_a) * batch.mask  # [T, slots * rank]: each row's own
+        delta = F.linear(low, self.lora_b) * self.scales[batch.slots][:, None]
+        return out.add_(delta)
 
 
 def attach_lora(

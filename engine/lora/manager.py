@@ -43,6 +43,10 @@ class LoRAManager:
         self.batch = LoRABatch()
         self.layers = attach_lora(model, self.batch, config.max_loras, config.max_lora_rank)
         self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
+        device = next(iter(self.layers.values())).lora_a.device
+        # the slot of each column of the layers' stacked A rows (B columns)
+        self._columns = torch.arange(config.max_loras * config.max_lora_rank, device=device)
+        self._columns = self._columns // config.max_lora_rank
         self._lock = threading.Lock()
         self._served: dict[str, LoRARequest] = {}  # loaded and not unloaded, by name
         self._unloaded: set[str] = set()  # names unloaded (and not loaded again) here
@@ -111,15 +115,17 @@ class LoRAManager:
     def prepare(self, adapters: Sequence[LoRAAdapter | None], num_tokens: Sequence[int]) -> None:
         """Group the step's token rows by adapter (request i: `adapters[i]`, `num_tokens[i]`
         rows, in batch order), each adapter resident in a slot."""
-        rows: dict[int, list[int]] = {}
-        start = 0
+        batch, max_loras = self.batch, self.config.max_loras
         wanted = {adapter.key for adapter in adapters if adapter is not None}
+        if not wanted:
+            batch.slots = batch.mask = None
+            return
+        slots: list[int] = []
         for adapter, n in zip(adapters, num_tokens):
-            if adapter is not None:
-                slot = self._slot_for(adapter, wanted)
-                rows.setdefault(slot, []).extend(range(start, start + n))
-            start += n
-        self.batch.groups = [(slot, _rows(r)) for slot, r in rows.items()]
+            slot = max_loras if adapter is None else self._slot_for(adapter, wanted)
+            slots += [slot] * n
+        batch.slots = torch.tensor(slots, device=self._columns.device)
+        batch.mask = (self._columns[None, :] == batch.slots[:, None]).to(self.dtype)
 
     def resident(self) -> tuple[str, ...]:
         return tuple(a.name for a in self._slots if a is not None)
@@ -138,9 +144,3 @@ class LoRAManager:
         self._slot_use.move_to_end(slot)
         return slot
 
-
-def _rows(rows: list[int]) -> slice | torch.Tensor:
-    """The rows as a slice when they are one run (a view, no gather), else an index."""
-    if rows[-1] - rows[0] + 1 == len(rows):
-        return slice(rows[0], rows[-1] + 1)
-    return torch.tensor(rows, dtype=torch.long)
