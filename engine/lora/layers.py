@@ -1,10 +1,11 @@
 """The model's projections with LoRA: each keeps its base layer and, per resident adapter
 slot, the adapter's A and B matrices, and adds (B A x) * scale to the rows of that slot's
-requests. One step's rows are mapped to their slots (`LoRABatch`, set by the manager before
-the forward pass), and every adapter of the step is applied at once: x times every slot's A
-(zero rows past an adapter's rank), each row's own slot kept by a mask, times every slot's
-B, scaled per row. Five tensor ops per projection, whatever the number of adapters in the
-step; the base model's rows get an exact zero added.
+requests. The manager groups one step's rows by slot before the forward pass (`LoRABatch`),
+and every adapter of the step is applied at once: the rows gathered into one padded group
+per slot, two batched matmuls with the slots' A and B (a gathered low-rank product per
+adapter group: each row costs its own adapter's rank only), scaled, and added back to their
+rows. Six tensor ops per projection, whatever the number of adapters in the step; the base
+model's rows are not touched.
 
 Wrapped before the runner packs or quantizes the base layers (they pack under `base`), so
 any weight format takes adapters; LoRA runs at tensor_parallel_size 1.
@@ -15,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdcluster.engine.lora.adapter import LoRAWeights
@@ -31,10 +31,28 @@ LORA_PROJECTIONS: dict[type[nn.Module], tuple[str, ...]] = {
 
 @dataclass
 class LoRABatch:
-    """This step's rows and their slots; `slots` is None when no row has an adapter."""
+    """This step's rows with an adapter, grouped by slot: slots [first, first + G) hold the
+    step's adapters (a slot between them with none of its rows gets padding only); group g
+    is `rows[g]` (padded with row 0), `valid[g]` 1 for its real rows, 0 for padding. `rows`
+    is None when no row has an adapter."""
 
-    slots: torch.Tensor | None = None  # [T] each row's slot, max_loras for the base model
-    mask: torch.Tensor | None = None  # [T, max_loras * max_rank] 1 on the row's slot's columns
+    first: int = 0
+    rows: torch.Tensor | None = None  # [G * M] row indices, group after group
+    valid: torch.Tensor | None = None  # [G, M, 1]
+    # the last input gathered and its groups: q, k and v (gate and up) read one input
+    _input: torch.Tensor | None = None
+    _groups: torch.Tensor | None = None
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """x's rows with an adapter, [G, M, in], gathered once per input."""
+        if x is not self._input:
+            rows = torch.index_select(x, 0, self.rows)
+            self._input, self._groups = x, rows.view(self.valid.shape[0], -1, x.shape[-1])
+        return self._groups
+
+    def set(self, first: int, rows: torch.Tensor | None, valid: torch.Tensor | None) -> None:
+        self.first, self.rows, self.valid = first, rows, valid
+        self._input = self._groups = None
 
 
 class LoRALinear(nn.Module):
@@ -47,31 +65,31 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.in_features, self.out_features = base.in_features, base.out_features
         like = {"dtype": base.weight.dtype, "device": base.weight.device}
-        # every slot's A, stacked ([slot * max_rank + i] is row i of the slot's A), and B
-        self.lora_a = torch.zeros(max_loras * max_rank, self.in_features, **like)
-        self.lora_b = torch.zeros(self.out_features, max_loras * max_rank, **like)
-        self.scales = torch.zeros(max_loras + 1, **like)  # [max_loras]: the base model's 0
+        # per slot A^T and B^T (zero past the adapter's rank: those terms add exact zeros)
+        self.lora_a = torch.zeros(max_loras, self.in_features, max_rank, **like)
+        self.lora_b = torch.zeros(max_loras, max_rank, self.out_features, **like)
+        self.scales = torch.zeros(max_loras, 1, 1, **like)
 
     def set_slot(self, slot: int, weights: LoRAWeights | None) -> None:
         """Hold `weights` in `slot` (None: nothing for this projection)."""
-        cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
-        self.lora_a[cols].zero_()
-        self.lora_b[:, cols].zero_()
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
         self.scales[slot] = 0.0
         if weights is not None:
             rank = weights.rank
-            self.lora_a[cols.start : cols.start + rank].copy_(weights.a)
-            self.lora_b[:, cols.start : cols.start + rank].copy_(weights.b)
+            self.lora_a[slot, :, :rank].copy_(weights.a.t())
+            self.lora_b[slot, :rank].copy_(weights.b.t())
             self.scales[slot] = weights.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         batch = self.batch
-        if batch.slots is None:
+        if batch.rows is None:
             return out
-        low = F.linear(x, self.lora_a) * batch.mask  # [T, slots * rank]: each row's own
-        delta = F.linear(low, self.lora_b) * self.scales[batch.slots][:, None]
-        return out.add_(delta)
+        slots = slice(batch.first, batch.first + batch.valid.shape[0])
+        low = torch.bmm(batch.grouped(x), self.lora_a[slots])  # [G, M, rank]
+        delta = torch.bmm(low, self.lora_b[slots]).mul_(self.scales[slots]).mul_(batch.valid)
+        return out.index_add_(0, batch.rows, delta.view(-1, self.out_features))
 
 
 def attach_lora(

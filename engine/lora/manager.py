@@ -43,10 +43,7 @@ class LoRAManager:
         self.batch = LoRABatch()
         self.layers = attach_lora(model, self.batch, config.max_loras, config.max_lora_rank)
         self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
-        device = next(iter(self.layers.values())).lora_a.device
-        # the slot of each column of the layers' stacked A rows (B columns)
-        self._columns = torch.arange(config.max_loras * config.max_lora_rank, device=device)
-        self._columns = self._columns // config.max_lora_rank
+        self._device = next(iter(self.layers.values())).lora_a.device
         self._lock = threading.Lock()
         self._served: dict[str, LoRARequest] = {}  # loaded and not unloaded, by name
         self._unloaded: set[str] = set()  # names unloaded (and not loaded again) here
@@ -115,17 +112,28 @@ class LoRAManager:
     def prepare(self, adapters: Sequence[LoRAAdapter | None], num_tokens: Sequence[int]) -> None:
         """Group the step's token rows by adapter (request i: `adapters[i]`, `num_tokens[i]`
         rows, in batch order), each adapter resident in a slot."""
-        batch, max_loras = self.batch, self.config.max_loras
+        batch = self.batch
         wanted = {adapter.key for adapter in adapters if adapter is not None}
         if not wanted:
-            batch.slots = batch.mask = None
+            batch.set(0, None, None)
             return
-        slots: list[int] = []
+        groups: dict[int, list[int]] = {}
+        start = 0
         for adapter, n in zip(adapters, num_tokens):
-            slot = max_loras if adapter is None else self._slot_for(adapter, wanted)
-            slots += [slot] * n
-        batch.slots = torch.tensor(slots, device=self._columns.device)
-        batch.mask = (self._columns[None, :] == batch.slots[:, None]).to(self.dtype)
+            if adapter is not None:
+                groups.setdefault(self._slot_for(adapter, wanted), []).extend(
+                    range(start, start + n)
+                )
+            start += n
+        size = max(len(rows) for rows in groups.values())
+        padded = [groups.get(s, []) for s in range(min(groups), max(groups) + 1)]
+        indices = [i for rows in padded for i in rows + [0] * (size - len(rows))]
+        valid = [[[1.0]] * len(rows) + [[0.0]] * (size - len(rows)) for rows in padded]
+        batch.set(
+            min(groups),
+            torch.tensor(indices, device=self._device),
+            torch.tensor(valid, dtype=self.dtype, device=self._device),
+        )
 
     def resident(self) -> tuple[str, ...]:
         return tuple(a.name for a in self._slots if a is not None)
@@ -143,4 +151,3 @@ class LoRAManager:
             self._slots[slot] = adapter
         self._slot_use.move_to_end(slot)
         return slot
-
