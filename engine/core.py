@@ -112,8 +112,6 @@ class EngineCore:
             )  # fmt: skip
         model, self.model_info = load_model(config.model, self.device, self.dtype)
         runner_info = self._shard(config, model)
-        if config.lora is not None:  # wraps the projections before the runner packs them
-            self.lora = LoRAManager(model, config.lora, self.dtype)
         draft = None
         infos, models = [runner_info], [model]
         if config.draft_model is not None:
@@ -131,8 +129,9 @@ class EngineCore:
             self.drafter = Drafter(draft, self.runner_cache, vocab_size, self.device)
         runner = ModelRunner(
             model, runner_info, self.runner_cache, self.device, self.precision, self.grammars,
-            self.tp, self.drafter, self.lora,
+            self.tp, self.drafter, config.lora,
         )  # fmt: skip
+        self.lora = runner.lora
         if self.tp is not None:
             self.tp.attach_kv_cache(runner.kv_cache, self.model_info.num_kv_heads)
         return runner

@@ -18,9 +18,11 @@ import llguidance
 import torch
 
 from pdcluster.engine.attention import AttentionMetadata, allocate_kv_cache
-from pdcluster.engine.config import CacheConfig
+from pdcluster.engine.config import CacheConfig, LoRAConfig
 from pdcluster.engine.kernels import cpu_kernels
 from pdcluster.engine.lora.adapter import LoRAAdapter
+from pdcluster.engine.lora.layers import adaptable_shapes
+from pdcluster.engine.lora.manager import LoRAManager
 from pdcluster.engine.models.decode_kernel import attach_decode_kernels
 from pdcluster.engine.models.loader import ModelInfo
 from pdcluster.engine.models.tiered_linear import prepare_linears
@@ -41,7 +43,6 @@ from pdcluster.engine.token_masks import TokenMasks
 from pdcluster.engine.tp_worker import StepInputs, TensorParallelGroup
 
 if TYPE_CHECKING:
-    from pdcluster.engine.lora.manager import LoRAManager
     from pdcluster.engine.spec_decode.draft_model import Drafter
 
 
@@ -96,11 +97,12 @@ class ModelRunner:
         grammars: GrammarCompiler,
         tp: TensorParallelGroup | None = None,  # the other ranks, when sharded
         drafter: Drafter | None = None,  # fills draft slots (speculative method draft_model)
-        lora: LoRAManager | None = None,  # its adapters, wrapping `model`'s projections
+        lora: LoRAConfig | None = None,  # LoRA adapters on `model`'s projections
     ) -> None:
+        shapes = adaptable_shapes(model) if lora is not None else {}  # as loaded
         prepare_model(model, precision, device)
         self.model = model
-        self.lora = lora
+        self.lora = None if lora is None else LoRAManager(model, shapes, lora, precision.dtype)
         self.drafter = drafter
         self.tp = tp
         self.grammars = grammars

@@ -238,3 +238,47 @@ def test_other_architectures_match_peft(arch, preset_dir, tmp_path):
         peft.get_peft_model(base, experts).save_pretrained(str(tmp_path / "experts"))
         with pytest.raises(LoRAAdapterError, match="target_parameters"):
             llm.engine.load_lora(LoRARequest("experts", str(tmp_path / "experts")))
+
+
+def test_a_fused_projection_adds_each_parts_adapter():
+    """q, k and v fused in one layer (the quantized modes' shape) give what three layers
+    with their own adapters give."""
+    from torch import nn
+
+    from pdcluster.engine.lora.adapter import LoRAWeights
+    from pdcluster.engine.lora.layers import LoRABatch, LoRALinear
+    from pdcluster.engine.models.fusion import fused_linear
+
+    torch.manual_seed(0)
+    parts = [nn.Linear(32, n, bias=False) for n in (32, 16, 16)]
+    adapters = [LoRAWeights(torch.randn(r, 32), torch.randn(p.out_features, r), s)
+                for p, r, s in zip(parts, (4, 2, 3), (2.0, 0.5, 1.0))]  # fmt: skip
+    batch = LoRABatch()
+    fused = LoRALinear(fused_linear(parts), batch, 32, (32, 16, 16), 2, 4, torch.float32)
+    alone = [LoRALinear(p, batch, 32, (p.out_features,), 2, 4, torch.float32) for p in parts]
+    for i, weights in enumerate(adapters):
+        fused.set_slot(1, i, None if i == 1 else weights)  # k's adapter leaves k alone
+        alone[i].set_slot(1, 0, None if i == 1 else weights)
+    x = torch.randn(5, 32)
+    batch.set(1, torch.tensor([0, 3, 4]), torch.ones(1, 3, 1))  # rows 0, 3, 4 in slot 1
+    expected = torch.cat([layer(x) for layer in alone], dim=-1)
+    torch.testing.assert_close(fused(x), expected)
+    base = torch.cat([p(x) for p in parts], dim=-1)
+    assert torch.equal(fused(x)[[1, 2]], base[[1, 2]])  # rows of the base model untouched
+
+
+def test_a_quantized_base_keeps_its_fused_layers_and_decode_kernels(preset_dir, adapted):
+    base, folder, _ = adapted
+    plain = LLM(base, quantization="int4")
+    llm = LLM(base, quantization="int4", enable_lora=True, max_loras=2, max_lora_rank=8)
+    prompts = prompts_for(llm.engine.model_info.vocab_size, 3)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [
+        o.token_ids for o in plain.generate(prompts, GREEDY)
+    ]  # the base model's rows: as without LoRA
+    kernels = [type(m.decode_kernel).__name__ for m in llm.engine.runner.model.model.layers]
+    plain_kernels = [m.decode_kernel for m in plain.engine.runner.model.model.layers]
+    if all(k is not None for k in plain_kernels):
+        assert kernels == ["LoRAGuardedKernel"] * len(kernels)
+    out = llm.generate(prompts, GREEDY, lora_request=lora(folder, "alpha"))
+    assert [o.token_ids for o in out] != [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert_idle(llm)

@@ -7,8 +7,10 @@ adapter group: each row costs its own adapter's rank only), scaled, and added ba
 rows. Six tensor ops per projection, whatever the number of adapters in the step; the base
 model's rows are not touched.
 
-Wrapped before the runner packs or quantizes the base layers (they pack under `base`), so
-any weight format takes adapters; LoRA runs at tensor_parallel_size 1.
+Wrapped after the runner prepared the base layers, whatever their format: a fused layer
+(q, k and v in one, gate and up in one) takes each part's adapter in its own block of A and
+B, and a whole-layer decode kernel runs the steps whose rows have no adapter. LoRA runs at
+tensor_parallel_size 1.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.lora.adapter import LoRAWeights
-from pdcluster.engine.models.llama import DecoderAttention
+from pdcluster.engine.models.decode_kernel import DecodeKernel
+from pdcluster.engine.models.fusion import FUSIBLE
+from pdcluster.engine.models.llama import DecoderAttention, DecoderLayer
 from pdcluster.engine.models.mlp import GatedMLP
 
 # module type -> the projections of it that take adapters
@@ -56,30 +61,45 @@ class LoRABatch:
 
 
 class LoRALinear(nn.Module):
-    """`base` plus, for each of `max_loras` slots, a rank <= `max_rank` adapter."""
+    """`base` (one projection, or several fused: `parts` gives each one's output width, in
+    order) plus, for each of `max_loras` slots, an adapter of rank <= `max_rank` per part."""
 
-    def __init__(self, base: nn.Linear, batch: LoRABatch, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self,
+        base: nn.Module,
+        batch: LoRABatch,
+        in_features: int,
+        parts: tuple[int, ...],
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.base = base
         self.batch = batch
         self.max_rank = max_rank
-        self.in_features, self.out_features = base.in_features, base.out_features
-        like = {"dtype": base.weight.dtype, "device": base.weight.device}
-        # per slot A^T and B^T (zero past the adapter's rank: those terms add exact zeros)
-        self.lora_a = torch.zeros(max_loras, self.in_features, max_rank, **like)
-        self.lora_b = torch.zeros(max_loras, max_rank, self.out_features, **like)
-        self.scales = torch.zeros(max_loras, 1, 1, **like)
+        self.in_features, self.parts = in_features, parts
+        self.offsets = [sum(parts[:i]) for i in range(len(parts))]
+        like = {"dtype": dtype, "device": _device(base)}
+        width, out = max_rank * len(parts), sum(parts)
+        # per slot A^T and B^T, part p in rank block p (block-diagonal in B): what lies past
+        # an adapter's rank, and off a part's block, is zero and adds exact zeros
+        self.lora_a = torch.zeros(max_loras, in_features, width, **like)
+        self.lora_b = torch.zeros(max_loras, width, out, **like)
+        self.scales = torch.zeros(max_loras, 1, out, **like)  # each output column's part's
 
-    def set_slot(self, slot: int, weights: LoRAWeights | None) -> None:
-        """Hold `weights` in `slot` (None: nothing for this projection)."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-        self.scales[slot] = 0.0
+    def set_slot(self, slot: int, part: int, weights: LoRAWeights | None) -> None:
+        """Hold `weights` for part `part` in `slot` (None: nothing for that part)."""
+        ranks = slice(part * self.max_rank, (part + 1) * self.max_rank)
+        cols = slice(self.offsets[part], self.offsets[part] + self.parts[part])
+        self.lora_a[slot, :, ranks].zero_()
+        self.lora_b[slot, ranks, cols].zero_()
+        self.scales[slot, :, cols] = 0.0
         if weights is not None:
             rank = weights.rank
-            self.lora_a[slot, :, :rank].copy_(weights.a.t())
-            self.lora_b[slot, :rank].copy_(weights.b.t())
-            self.scales[slot] = weights.scale
+            self.lora_a[slot, :, ranks.start : ranks.start + rank].copy_(weights.a.t())
+            self.lora_b[slot, ranks.start : ranks.start + rank, cols].copy_(weights.b.t())
+            self.scales[slot, :, cols] = weights.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -87,28 +107,83 @@ class LoRALinear(nn.Module):
         if batch.rows is None:
             return out
         slots = slice(batch.first, batch.first + batch.valid.shape[0])
-        low = torch.bmm(batch.grouped(x), self.lora_a[slots])  # [G, M, rank]
+        low = torch.bmm(batch.grouped(x), self.lora_a[slots])  # [G, M, parts * rank]
         delta = torch.bmm(low, self.lora_b[slots]).mul_(self.scales[slots]).mul_(batch.valid)
-        return out.index_add_(0, batch.rows, delta.view(-1, self.out_features))
+        return out.index_add_(0, batch.rows, delta.view(-1, out.shape[-1]))
+
+
+class LoRAGuardedKernel:
+    """A layer's whole-layer decode kernel, for the steps whose rows have no adapter."""
+
+    def __init__(self, kernel: DecodeKernel, batch: LoRABatch) -> None:
+        self.kernel, self.batch = kernel, batch
+
+    def takes(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return self.batch.rows is None and self.kernel.takes(x, kv_cache, meta)
+
+    def __call__(self, *args: torch.Tensor | AttentionMetadata) -> torch.Tensor:
+        return self.kernel(*args)
+
+
+# A projection that takes adapters: the wrapper holding it and its part there
+Target = tuple[LoRALinear, int]
+
+
+def adaptable_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """(in, out) of every projection of `model` that takes adapters, by module name, read
+    from its checkpoint layers before the runner packs or fuses them."""
+    return {
+        f"{name}.{attr}": (layer.in_features, layer.out_features)
+        for name, module, attrs in _projections(model)
+        for attr in attrs
+        if isinstance(layer := getattr(module, attr), nn.Linear)
+    }
 
 
 def attach_lora(
-    model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int
-) -> dict[str, LoRALinear]:
-    """Wrap every LORA_PROJECTIONS layer of `model` (experts of a sparse MoE excepted: their
-    rows are not the batch's) in a LoRALinear reading `batch`; module name -> the wrapper."""
-    wrapped: dict[str, LoRALinear] = {}
-    for name, module in list(model.named_modules()):
-        projections = next((p for t, p in LORA_PROJECTIONS.items() if isinstance(module, t)), ())
-        if ".experts." in f"{name}.":
-            continue
-        for attr in projections:
-            base = getattr(module, attr)
-            if not isinstance(base, nn.Linear):
-                raise ValueError(f"LoRA needs {name}.{attr} as a plain linear layer")
-            layer = LoRALinear(base, batch, max_loras, max_rank)
+    model: nn.Module,
+    shapes: dict[str, tuple[int, int]],
+    batch: LoRABatch,
+    max_loras: int,
+    max_rank: int,
+    dtype: torch.dtype,
+) -> dict[str, Target]:
+    """Wrap every projection of `shapes` in `model` (fused ones as one LoRALinear of their
+    parts), reading `batch`, and guard the layers' decode kernels; module name -> target."""
+    targets: dict[str, Target] = {}
+    for name, module, attrs in _projections(model):
+        fused_name, fused_parts = next(v for t, v in FUSIBLE.items() if isinstance(module, t))
+        groups = [(attr, (attr,)) for attr in attrs if getattr(module, attr) is not None]
+        if getattr(module, fused_name, None) is not None:
+            groups.append((fused_name, fused_parts))
+        for attr, parts in groups:
+            names = [f"{name}.{part}" for part in parts]
+            in_features = shapes[names[0]][0]
+            widths = tuple(shapes[n][1] for n in names)
+            layer = LoRALinear(
+                getattr(module, attr), batch, in_features, widths, max_loras, max_rank, dtype
+            )
             setattr(module, attr, layer)
-            wrapped[f"{name}.{attr}"] = layer
-    if not wrapped:
+            targets.update({n: (layer, i) for i, n in enumerate(names)})
+    if not targets:
         raise ValueError(f"{type(model).__name__} has no projection LoRA applies to")
-    return wrapped
+    for layer in model.modules():
+        if isinstance(layer, DecoderLayer) and layer.decode_kernel is not None:
+            layer.decode_kernel = LoRAGuardedKernel(layer.decode_kernel, batch)
+    return targets
+
+
+def _projections(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, ...]]]:
+    """(name, module, its projection attributes) of each attention and dense MLP of `model`;
+    the experts of a sparse MoE are left out (their rows are not the batch's)."""
+    found = []
+    for name, module in model.named_modules():
+        attrs = next((a for t, a in LORA_PROJECTIONS.items() if isinstance(module, t)), None)
+        if attrs is not None and ".experts." not in f"{name}.":
+            found.append((name, module, attrs))
+    return found
+
+
+def _device(layer: nn.Module) -> torch.device:
+    tensors = [*layer.parameters(), *layer.buffers()]
+    return tensors[0].device if tensors else torch.device("cpu")

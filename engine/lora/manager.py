@@ -37,13 +37,23 @@ class LoRAStats:
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        shapes: dict[str, tuple[int, int]],
+        config: LoRAConfig,
+        dtype: torch.dtype,
+    ) -> None:
+        """`shapes`: `layers.adaptable_shapes` of `model` as loaded (before the runner
+        prepared its layers)."""
         self.config = config
         self.dtype = dtype
+        self.shapes = shapes
         self.batch = LoRABatch()
-        self.layers = attach_lora(model, self.batch, config.max_loras, config.max_lora_rank)
-        self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
-        self._device = next(iter(self.layers.values())).lora_a.device
+        self.targets = attach_lora(
+            model, shapes, self.batch, config.max_loras, config.max_lora_rank, dtype
+        )
+        self._device = next(iter(self.targets.values()))[0].lora_a.device
         self._lock = threading.Lock()
         self._served: dict[str, LoRARequest] = {}  # loaded and not unloaded, by name
         self._unloaded: set[str] = set()  # names unloaded (and not loaded again) here
@@ -146,8 +156,8 @@ class LoRAManager:
                 i for i in self._slot_use
                 if self._slots[i] is None or self._slots[i].key not in wanted
             )  # fmt: skip
-            for name, layer in self.layers.items():
-                layer.set_slot(slot, adapter.weights.get(name))
+            for name, (layer, part) in self.targets.items():
+                layer.set_slot(slot, part, adapter.weights.get(name))
             self._slots[slot] = adapter
         self._slot_use.move_to_end(slot)
         return slot
