@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="launch every topology at once and run each rate on each in turn (order flipping\n"
         "per rate), so a drifting background load on a shared machine falls on all alike",
     )
+    x.add_argument(
+        "--lora-models",
+        type=lambda text: [m for m in text.split(",") if m],
+        default=[],
+        help="comma list of LoRA adapters the target serves (`--lora-modules`): the run's\n"
+        "requests name them in turn as their model, instead of the base model",
+    )
     x.add_argument("--out", default="bench-out", help="output folder")
     x.add_argument(
         "--save-vllm-json",
@@ -401,7 +408,7 @@ def run_rate(
     wait_quiet(target)
     if rate is not None:
         workload = workload.at_rate(rate)
-    prepared = prepare(workload.requests, target.model, seed)
+    prepared = prepare(workload.requests, target.model, seed, args.lora_models)
     span = workload.requests[-1].arrival_s
     limit = min(args.max_run_s, span + args.drain_s)
     actual_rate = workload.mean_rate if len(workload.requests) > 1 else 0.0
@@ -447,10 +454,20 @@ def warm_up(target: Target, workload: Workload, seed: int) -> None:
     _sequential(target, [_median_spec(workload, 8)] * NUM_WARMUP, seed)
 
 
-def prepare(specs: tuple[RequestSpec, ...] | list[RequestSpec], model: str, seed: int):
-    """Request bodies built before the run (token ids and PNGs cost nothing during it)."""
+def prepare(
+    specs: tuple[RequestSpec, ...] | list[RequestSpec],
+    model: str,
+    seed: int,
+    lora_models: list[str] | None = None,
+):
+    """Request bodies built before the run (token ids and PNGs cost nothing during it);
+    with `lora_models`, request i names lora_models[i % len] as its model."""
     rng = random.Random(seed)
-    return [PreparedRequest(s, *request_body(s, model, rng)) for s in specs]
+    models = lora_models or [model]
+    return [
+        PreparedRequest(s, *request_body(s, models[i % len(models)], rng))
+        for i, s in enumerate(specs)
+    ]
 
 
 def _median_spec(workload: Workload, max_output: int | None = None) -> RequestSpec:

@@ -134,6 +134,15 @@ def test_request_bodies_have_exact_lengths():
     assert len(parts[1]["text"].split()) == 10
 
 
+def test_lora_models_take_turns_as_the_requests_model():
+    specs = [RequestSpec(0, 5, 2)] * 5
+    assert [r.body["model"] for r in bench.prepare(specs, "base", 0)] == ["base"] * 5
+    models = [r.body["model"] for r in bench.prepare(specs, "base", 0, ["a", "b"])]
+    assert models == ["a", "b", "a", "b", "a"]
+    args = bench.build_parser().parse_args(["--url", "http://x", "--lora-models", "a,b"])
+    assert args.lora_models == ["a", "b"]
+
+
 def test_percentile_matches_numpy():
     values = [random.Random(1).random() for _ in range(37)]
     for q in (0, 50, 90, 99, 100):

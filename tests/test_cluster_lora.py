@@ -22,7 +22,13 @@ from tests.cluster_utils import (
     stats_by_id,
     wait_until,
 )
-from tests.lora_utils import adapter_of_another_base, hf_greedy, make_adapters
+from tests.lora_utils import (
+    ALL_PROJECTIONS,
+    adapter_of_another_base,
+    hf_greedy,
+    make_adapter,
+    make_adapters,
+)
 
 pytest.importorskip("peft")
 
@@ -139,7 +145,7 @@ def _loaded(cluster) -> dict[str, tuple[str, ...]]:
     return {iid: s.lora.served for iid, s in stats_by_id(cluster).items()}
 
 
-@pytest.mark.parametrize("case", ["missing_file", "not_a_folder", "wrong_base"])
+@pytest.mark.parametrize("case", ["missing_file", "not_a_folder", "wrong_base", "rank_16"])
 def test_a_bad_adapter_folder_is_a_400_that_changes_nothing(
     base_url, cluster, lora_model, tmp_path, case, clean
 ):
@@ -150,6 +156,9 @@ def test_a_bad_adapter_folder_is_a_400_that_changes_nothing(
         (path / "adapter_model.safetensors").unlink()
     elif case == "not_a_folder":
         path = tmp_path / "nowhere"
+    elif case == "rank_16":  # over the cluster's max_lora_rank 8
+        path = tmp_path / "big"
+        make_adapter(lora_model[2][None], path, 9, 16, 16, ALL_PROJECTIONS, False)
     else:
         path = adapter_of_another_base(tmp_path / "other")
     wait_until(lambda: all(s.is_idle() for s in cluster.stats()))
@@ -158,7 +167,11 @@ def test_a_bad_adapter_folder_is_a_400_that_changes_nothing(
         f"{base_url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(path)}
     )
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"]
+    why = {
+        "missing_file": "no adapter_model.safetensors", "not_a_folder": "no adapter_config.json",
+        "wrong_base": "do not fit the base model", "rank_16": "exceeds max_lora_rank 8",
+    }  # fmt: skip
+    assert why[case] in r.json()["error"]["message"]
     assert _loaded(cluster) == before
     assert "bad" not in cluster.adapters
 
