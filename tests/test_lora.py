@@ -282,3 +282,22 @@ def test_a_quantized_base_keeps_its_fused_layers_and_decode_kernels(preset_dir, 
     out = llm.generate(prompts, GREEDY, lora_request=lora(folder, "alpha"))
     assert [o.token_ids for o in out] != [o.token_ids for o in plain.generate(prompts, GREEDY)]
     assert_idle(llm)
+
+
+def test_llavas_language_model_takes_an_adapter_as_peft_names_it(preset_dir, tmp_path):
+    """PEFT names LLaVA's decoder modules as transformers nests them
+    (`model.language_model.layers...`); they are the same projections here."""
+    import peft
+    import transformers
+
+    base_dir = preset_dir("tiny-llava")
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32)
+    text = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    torch.manual_seed(3)
+    config = peft.LoraConfig(r=4, target_modules=text, init_lora_weights=False)
+    ref = peft.get_peft_model(hf, config).eval()
+    ref.save_pretrained(str(tmp_path / "adapter"))
+    llm = LLM(base_dir, enable_lora=True, max_lora_rank=4)
+    prompt = prompts_for(llm.engine.model_info.vocab_size, 1)[0]
+    out = llm.generate([prompt], GREEDY, lora_request=LoRARequest("a", str(tmp_path / "adapter")))
+    assert out[0].token_ids == hf_greedy(ref, prompt, NUM_NEW)

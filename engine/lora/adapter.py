@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,9 +80,11 @@ def read_adapter(
     shapes: dict[str, tuple[int, int]],
     max_rank: int,
     dtype: torch.dtype = torch.float32,
+    rename: Callable[[str], str | None] = lambda name: name,
 ) -> LoRAAdapter:
     """The adapter in `lora.path`, checked against `shapes` (module name -> (in, out) of
-    every projection the model adapts) and `max_rank`; LoRAAdapterError when it does not fit."""
+    every projection the model adapts) and `max_rank`; LoRAAdapterError when it does not fit.
+    `rename`: the checkpoint's module names to the model's (None: a module it drops)."""
     folder = Path(lora.path)
     config = _read_config(folder)
     weights_path = folder / WEIGHTS_FILE
@@ -92,7 +95,7 @@ def read_adapter(
         with safe_open(str(weights_path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 module, which = _parse_key(lora.name, key)
-                pairs.setdefault(module, {})[which] = f.get_tensor(key)
+                pairs.setdefault(rename(module) or module, {})[which] = f.get_tensor(key)
     except LoRAAdapterError:
         raise
     except Exception as exc:  # noqa: BLE001 - a corrupt file: say which

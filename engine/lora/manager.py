@@ -11,6 +11,7 @@ requests within `max_loras`, so `prepare` always finds them a slot.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from torch import nn
 from pdcluster.engine.config import LoRAConfig
 from pdcluster.engine.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRARequest, read_adapter
 from pdcluster.engine.lora.layers import LoRABatch, attach_lora
+from pdcluster.engine.models.loader import module_name
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class LoRAManager:
         self.config = config
         self.dtype = dtype
         self.shapes = shapes
+        self._rename = functools.partial(module_name, model=model)
         self.batch = LoRABatch()
         self.targets = attach_lora(
             model, shapes, self.batch, config.max_loras, config.max_lora_rank, dtype
@@ -98,7 +101,9 @@ class LoRAManager:
             if adapter is not None and adapter.key == lora:
                 self._in_memory.move_to_end(lora.name)
                 return adapter
-        adapter = read_adapter(lora, self.shapes, self.config.max_lora_rank, self.dtype)
+        adapter = read_adapter(
+            lora, self.shapes, self.config.max_lora_rank, self.dtype, self._rename
+        )
         with self._lock:
             if self._served.get(lora.name) == lora:
                 self._in_memory[lora.name] = adapter

@@ -201,6 +201,13 @@ def _our_name(name: str, model: nn.Module) -> str | None:
     return name
 
 
+def module_name(checkpoint_name: str, model: nn.Module) -> str | None:
+    """A checkpoint's module name (e.g. a LoRA adapter's target) -> ours, or None for a
+    module we drop."""
+    name = _our_name(f"{checkpoint_name}.weight", model)
+    return None if name is None else name.removesuffix(".weight")
+
+
 def _mixtral_to_ours(match: re.Match[str]) -> str:
     expert, proj, gate = match.groups()
     return ".mlp.gate." if gate else f".mlp.experts.{expert}.{_MIXTRAL_PROJ[proj]}."
