@@ -70,10 +70,6 @@ class LoRAAdapter:
         """What a request names it by: its name and folder."""
         return LoRARequest(self.name, self.path)
 
-    @property
-    def rank(self) -> int:
-        return max(w.rank for w in self.weights.values())
-
 
 def read_adapter(
     lora: LoRARequest,

@@ -87,11 +87,12 @@ class LoRAManager:
             raise
 
     def use(self, lora: LoRARequest) -> LoRAAdapter:
-        """The adapter of a new request: served from now on (`load`), unless it was unloaded
-        here (a request that started before that finishes on it, nothing more)."""
+        """The adapter of a new request: served from now on (`load`) when its name is new
+        here; else its weights only (a request that started before its adapter was
+        unloaded, or replaced by another folder under its name, finishes on its own)."""
         with self._lock:
-            unloaded = lora.name in self._unloaded
-        return self.get(lora) if unloaded else self.load(lora)
+            known = lora.name in self._served or lora.name in self._unloaded
+        return self.get(lora) if known else self.load(lora)
 
     def get(self, lora: LoRARequest) -> LoRAAdapter:
         """The adapter's weights: from memory, else read from its folder (and kept, when it
