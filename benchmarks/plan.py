@@ -314,6 +314,7 @@ def _bench_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{
         **vars(args), "slo_scale": None, "ttft_slo_ms": args.slo_ttft_ms * args.time_scale,
         "tpot_slo_ms": args.slo_tpot_ms * args.time_scale, "isolated_requests": 0,
+        "lora_models": [],  # every request on the base model
     })  # fmt: skip
 
 
