@@ -1,5 +1,5 @@
-"""LoRA adapters made with `peft` for a preset checkpoint, and transformers + peft's greedy
-output under one: the reference the engine and the cluster are checked against."""
+"""LoRA adapters made with `peft` for a preset checkpoint: the adapters the engine and the
+cluster are checked against (with transformers + peft's greedy output under each)."""
 
 from __future__ import annotations
 
@@ -43,18 +43,6 @@ def make_adapter(
     model = peft.get_peft_model(copy.deepcopy(base), config)
     model.save_pretrained(str(out))
     return model.eval()
-
-
-def hf_greedy(model, input_ids: list[int], num_new: int) -> list[int]:
-    """Greedy decoding by full forwards: the plainest reference."""
-    ids = torch.tensor([input_ids])
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(num_new):
-            token = int(model(input_ids=ids).logits[0, -1].argmax())
-            out.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return out
 
 
 def adapter_of_another_base(out_dir: Path) -> Path:

@@ -25,10 +25,10 @@ from tests.cluster_utils import (
 from tests.lora_utils import (
     ALL_PROJECTIONS,
     adapter_of_another_base,
-    hf_greedy,
     make_adapter,
     make_adapters,
 )
+from tests.test_engine_vs_transformers import hf_greedy
 
 pytest.importorskip("peft")
 

@@ -16,18 +16,14 @@ from pdcluster.engine.config import LoRAConfig
 from pdcluster.engine.kv_cache_manager import root_hash
 from pdcluster.engine.llm import engine_config_from_args
 from pdcluster.engine.lora.adapter import LoRAAdapterError
-from tests.lora_utils import ALL_PROJECTIONS, hf_greedy, make_adapter, make_adapters
+from tests.lora_utils import ALL_PROJECTIONS, make_adapter, make_adapters
 from tests.scheduler_utils import make_requests, make_scheduler
+from tests.test_engine_vs_transformers import VARIANTS, hf_greedy
 
 pytest.importorskip("peft")
 
 NUM_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
-VARIANTS = {
-    "plain": {},
-    "chunked": {"max_num_batched_tokens": 8},
-    "preempting": {"block_size": 4, "num_blocks": 24, "max_num_batched_tokens": 64},
-}
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])

@@ -43,7 +43,7 @@ def fuse_projections(model: nn.Module) -> int:
         fused_name, part_names = spec
         parts = [getattr(module, name) for name in part_names]
         if (
-            any(type(p) is not nn.Linear or p.weight.dtype != torch.float32 for p in parts)
+            any(p is None or p.weight.dtype != torch.float32 for p in parts)
             or len({p.bias is None for p in parts}) > 1
         ):
             continue
