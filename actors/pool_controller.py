@@ -32,6 +32,7 @@ from pdcluster.actors.encoder_instance import EncoderInstanceActor
 from pdcluster.actors.instance import InstanceActor
 from pdcluster.actors.kv_pool import KVPoolActor, kv_pool_actor_name, kv_pool_capacity_bytes
 from pdcluster.actors.messages import InstanceStats
+from pdcluster.actors.pool_adapters import load_adapters, unload_adapter
 from pdcluster.actors.pool_members import PoolMembers, members_actor_name
 from pdcluster.actors.pool_messages import MemberList, PlannerState
 from pdcluster.engine.lora.adapter import LoRARequest
@@ -187,7 +188,7 @@ class PoolController:
         try:
             await self._until_up([h for _, h in started])
             if role != Role.ENCODER:  # it serves the pool's adapters from its first request
-                await self._load_adapters(started, list(self._adapters.values()))
+                await load_adapters(started, list(self._adapters.values()))
         except asyncio.TimeoutError:
             for iid, _ in started:
                 self._kill(iid)
@@ -261,9 +262,9 @@ class PoolController:
                 raise ValueError(f"LoRA adapter {lora.name!r} is already loaded")
             runners = self._runners()
             try:
-                await self._load_adapters(runners, [lora])
+                await load_adapters(runners, [lora])
             except ValueError:
-                await self._unload_adapter(runners, lora.name)
+                await unload_adapter(runners, lora.name)
                 raise
             self._adapters[lora.name] = lora
             await self._save()
@@ -279,7 +280,7 @@ class PoolController:
                 raise LookupError(f"LoRA adapter {name!r} is not loaded")
             del self._adapters[name]
             await self._save()
-            await self._unload_adapter(self._runners(), name)
+            await unload_adapter(self._runners(), name)
             logger.info("LoRA adapter %s unloaded", name)
             return dict(self._adapters)
 
@@ -287,30 +288,6 @@ class PoolController:
         """(id, actor) of every member that runs requests (not an encoder)."""
         handles = ((iid, self._actor(iid)) for iid, r in self._members.items() if r != Role.ENCODER)
         return [(iid, h) for iid, h in handles if h is not None]
-
-    @staticmethod
-    async def _load_adapters(
-        instances: list[tuple[str, ray.actor.ActorHandle]], loras: list[LoRARequest]
-    ) -> None:
-        """Load each of `loras` on each of `instances`; ValueError saying why one cannot.
-        An instance that does not answer is passed over: it loads an adapter when a request
-        brings it (each names its adapter's folder)."""
-        calls = [(iid, h.load_lora.remote(lora)) for iid, h in instances for lora in loras]
-        answers = await asyncio.gather(*(c for _, c in calls), return_exceptions=True)
-        for (iid, _), answer in zip(calls, answers):
-            if isinstance(answer, ray.exceptions.RayError):
-                logger.warning("instance %s did not load a LoRA adapter: %s", iid, answer)
-            elif isinstance(answer, BaseException):
-                raise answer
-            elif answer is not None:
-                raise ValueError(answer)
-
-    @staticmethod
-    async def _unload_adapter(
-        instances: list[tuple[str, ray.actor.ActorHandle]], name: str
-    ) -> None:
-        calls = [h.unload_lora.remote(name) for _, h in instances]
-        await asyncio.gather(*calls, return_exceptions=True)  # one gone holds nothing
 
     # ---- planner -----------------------------------------------------------------------
     def _ensure_planner(self) -> None:

@@ -144,7 +144,7 @@ class Cluster:
 
     @property
     def enable_lora(self) -> bool:
-        return self.config.enable_lora
+        return self.config.lora.enable_lora
 
     async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
         """Serve the PEFT adapter in folder `path` as `name` on every instance; ValueError

@@ -21,9 +21,8 @@ from pdcluster.cluster.config_yaml import (
     merge,
     read_yaml,
 )
+from pdcluster.cluster.lora_config import LoRASettings, check_same_lora
 from pdcluster.engine.config import (
-    DEFAULT_MAX_LORA_RANK,
-    DEFAULT_MAX_LORAS,
     DEFAULT_NUM_BLOCKS,
     DEFAULT_QUANTIZATION,
     DEFAULT_SCHEDULING_POLICY,
@@ -31,14 +30,12 @@ from pdcluster.engine.config import (
     KV_SIZING_FIELDS,
     CacheConfig,
     EngineConfig,
-    LoRAConfig,
     Quantization,
     SchedulerConfig,
     SchedulingPolicy,
     SpeculativeConfig,
     kv_sizing_fields_set,
 )
-from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.routing.policy import DEFAULT_MIGRATION_LIMIT
 from pdcluster.routing.role import Role
 
@@ -60,8 +57,9 @@ def without_replaced_kv_sizing(engine: dict[str, Any], overrides: dict[str, Any]
     return {k: v for k, v in engine.items() if k not in KV_SIZING_FIELDS}
 
 
-class EngineSettings(StrictSection):
-    """Per-instance engine settings (a role may override any of them)."""
+class EngineSettings(LoRASettings):
+    """Per-instance engine settings (a role may override any of them; the LoRA ones are
+    the same on every role that runs requests)."""
 
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     num_blocks: int | None = Field(
@@ -123,33 +121,6 @@ class EngineSettings(StrictSection):
         "instances that decode (D, mixed); unset: none",
     )  # fmt: skip
 
-    enable_lora: bool = Field(
-        False, description="serve LoRA adapters (PEFT's format) beside the base model: a "
-        "request names one as its `model`; set on every instance that runs requests",
-    )  # fmt: skip
-    max_loras: int = Field(
-        DEFAULT_MAX_LORAS, ge=1, description="LoRA adapters one step's batch runs at most "
-        "(each resident in the instance's layers)",
-    )  # fmt: skip
-    max_lora_rank: int = Field(
-        DEFAULT_MAX_LORA_RANK, ge=1, description="an adapter of a higher rank is refused"
-    )
-    max_cpu_loras: int | None = Field(
-        None, ge=1, description="LoRA adapters an instance keeps loaded in memory (unset: "
-        "max_loras); the others are read from their folder again when used",
-    )  # fmt: skip
-    lora_modules: dict[str, str] = Field(
-        default_factory=dict, description="LoRA adapters served from the start: name -> "
-        "folder (as vLLM's --lora-modules name=path); more load at run time through "
-        "POST /v1/load_lora_adapter",
-    )  # fmt: skip
-
-    @field_validator("lora_modules")
-    @classmethod
-    def _absolute_lora_paths(cls, value: dict[str, str]) -> dict[str, str]:
-        """Folders as absolute paths: every instance reads them, whatever its cwd."""
-        return {name: str(Path(path).expanduser().resolve()) for name, path in value.items()}
-
     @field_validator("speculative_config")
     @classmethod
     def _check_speculative(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -160,16 +131,7 @@ class EngineSettings(StrictSection):
     @model_validator(mode="after")
     def _check_kv_sizing(self) -> EngineSettings:
         kv_sizing_fields_set(self)
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules need enable_lora")
-        if self.enable_lora:
-            self.lora_config()  # ValueError: pydantic reports it
         return self
-
-    def lora_config(self) -> LoRAConfig | None:
-        if not self.enable_lora:
-            return None
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
 
 class RoleSpec(StrictSection):
@@ -336,26 +298,17 @@ class ClusterConfig(StrictSection):
             if p.max_model_len != d.max_model_len:
                 raise ValueError("prefill and decode must use the same max_model_len")
         self._check_autoscale_bounds()
-        lora = {(s.enable_lora, tuple(sorted(s.lora_modules.items()))) for s in self._runners()}
-        if len(lora) > 1:
-            raise ValueError(
-                "enable_lora and lora_modules must be the same for prefill, decode and mixed "
-                "instances: a request's adapter runs on each instance it passes"
-            )
+        check_same_lora(self._runners())
         return self
 
     def _runners(self) -> list[EngineSettings]:
         """The engine settings of every role that runs requests (P, D, mixed: any may join)."""
         return [self.engine_settings(r) for r in (Role.PREFILL, Role.DECODE, Role.MIXED)]
 
-    def lora_adapters(self) -> dict[str, LoRARequest]:
-        """The LoRA adapters served from the start (`lora_modules`), by name."""
-        modules = self._runners()[0].lora_modules
-        return {name: LoRARequest(name, path) for name, path in modules.items()}
-
     @property
-    def enable_lora(self) -> bool:
-        return self._runners()[0].enable_lora
+    def lora(self) -> LoRASettings:
+        """The LoRA settings, one for every role that runs requests (`check_same_lora`)."""
+        return self._runners()[0]
 
     def _check_autoscale_bounds(self) -> None:
         """Each autoscaled role starts at its configured count, inside [min, max]."""

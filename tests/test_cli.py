@@ -118,7 +118,7 @@ def test_lora_flags_are_vllms(capsys, tmp_path):
     )  # fmt: skip
     lora = config.engine_config("decode", "/models/m").lora
     assert (lora.max_loras, lora.max_lora_rank, lora.cpu_loras) == (3, 32, 3)
-    adapters = config.lora_adapters()
+    adapters = config.lora.adapters()
     assert {n: a.path for n, a in adapters.items()} == {
         "sql": str(tmp_path / "s"), "chat": str(tmp_path / "c"),
     }  # fmt: skip

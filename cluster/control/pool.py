@@ -88,7 +88,7 @@ class PoolPlan:
 
     def lora_adapters(self) -> dict[str, LoRARequest]:
         """The LoRA adapters served from the start (the config's lora_modules)."""
-        return self.config.lora_adapters()
+        return self.config.lora.adapters()
 
     def initial_roles(self) -> list[Role]:
         """One entry per instance the topology starts with."""
