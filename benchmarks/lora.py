@@ -34,28 +34,9 @@ from pdcluster.cluster.control.launch import launch
 from pdcluster.engine import SamplingParams
 from pdcluster.engine.config import DEFAULT_QUANTIZATION, QUANTIZATIONS
 from pdcluster.engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoRARequest
-from pdcluster.engine.models.llama import DecoderConfig
-from pdcluster.engine.models.loader import read_model_info
+from pdcluster.engine.lora.layers import adaptable_shapes
+from pdcluster.engine.models.loader import load_model
 from pdcluster.engine.presets import resolve_model_dir
-
-
-def projection_shapes(model_dir: str) -> dict[str, tuple[int, int]]:
-    """(in, out) of every attention and MLP projection of a Llama-family checkpoint, by its
-    name in the model (`model.layers.N.self_attn.q_proj`, ...)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = DecoderConfig.from_hf(config.get("text_config", config), config["model_type"])
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    inter = cfg.intermediate_size
-    shapes = {
-        "self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-        "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-        "mlp.down_proj": (inter, h),
-    }  # fmt: skip
-    return {
-        f"model.layers.{i}.{name}": shape
-        for i in range(cfg.num_layers)
-        for name, shape in shapes.items()
-    }
 
 
 def write_adapter(out: Path, shapes: dict[str, tuple[int, int]], rank: int, seed: int) -> Path:
@@ -116,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     model_dir = resolve_model_dir(args.model)
-    shapes = projection_shapes(model_dir)
+    model, info = load_model(model_dir, torch.device("cpu"), torch.float32)
+    shapes = adaptable_shapes(model)  # module name -> (in, out), as the engine reads them
+    del model
     folder = Path(tempfile.mkdtemp(prefix="pdcluster-lora-"))
     adapters = [
         LoRARequest(f"adapter-{i}", str(write_adapter(folder / f"a{i}", shapes, args.rank, i)))
@@ -140,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     })  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
-    vocab = read_model_info(model_dir).vocab_size
+    vocab = info.vocab_size
     prompts = [
         torch.randint(3, vocab, (args.prompt_tokens,), generator=g).tolist()
         for _ in range(args.streams)
