@@ -11,7 +11,6 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdcluster.actors.front import STATS_TIMEOUT_S, Front
@@ -20,6 +19,7 @@ from pdcluster.actors.pool_client import PoolClient
 from pdcluster.actors.pool_messages import KVPoolStats, PlannerState
 from pdcluster.actors.ray_runtime import shutdown_ray
 from pdcluster.cluster.config import ClusterConfig
+from pdcluster.cluster.lora_config import absolute_folder
 from pdcluster.engine.llm import RequestOutput, merge_output, new_request_output
 from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.engine.models.loader import read_model_info
@@ -153,7 +153,7 @@ class Cluster:
             raise ValueError("this cluster serves no LoRA adapters (start it with enable_lora)")
         if name == self.model_name:
             raise ValueError(f"{name!r} is the base model's name")
-        lora = LoRARequest(name, str(Path(path).expanduser().resolve()))
+        lora = LoRARequest(name, absolute_folder(path))
         self.front.adapters = await self._client.load_lora_adapter(lora)
         return lora
 

@@ -37,8 +37,7 @@ class LoRASettings(StrictSection):
     @field_validator("lora_modules")
     @classmethod
     def _absolute_lora_paths(cls, value: dict[str, str]) -> dict[str, str]:
-        """Folders as absolute paths: every instance reads them, whatever its cwd."""
-        return {name: str(Path(path).expanduser().resolve()) for name, path in value.items()}
+        return {name: absolute_folder(path) for name, path in value.items()}
 
     @model_validator(mode="after")
     def _check_lora(self) -> LoRASettings:
@@ -56,6 +55,11 @@ class LoRASettings(StrictSection):
     def adapters(self) -> dict[str, LoRARequest]:
         """The LoRA adapters served from the start (`lora_modules`), by name."""
         return {name: LoRARequest(name, path) for name, path in self.lora_modules.items()}
+
+
+def absolute_folder(path: str) -> str:
+    """An adapter's folder as an absolute path: every instance reads it, whatever its cwd."""
+    return str(Path(path).expanduser().resolve())
 
 
 def check_same_lora(settings: list[LoRASettings]) -> None:

@@ -71,11 +71,10 @@ class LoRAManager:
         folder."""
         with self._lock:
             served = self._served.get(lora.name)
-        if served is not None and served != lora:
-            raise LoRAAdapterError(
-                f"LoRA adapter {lora.name!r} is loaded from {served.path}, not {lora.path}"
-            )
-        with self._lock:
+            if served is not None and served != lora:
+                raise LoRAAdapterError(
+                    f"LoRA adapter {lora.name!r} is loaded from {served.path}, not {lora.path}"
+                )
             self._served[lora.name] = lora  # before `get`, which keeps served ones in memory
             self._unloaded.discard(lora.name)
         try:
