@@ -9,17 +9,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-import numpy as np
-
 from pdcluster.actors.instance_base import InstanceBase, InstanceSpec, KVEventBatch, StepItems
 from pdcluster.actors.pixels import prefetch
 from pdcluster.actors.step_commands import AddRequest
-from pdcluster.connectors.ray_ec import RayECConnector
+from pdcluster.connectors.ray_ec import EncoderOutput, RayECConnector
 from pdcluster.engine.encoder_core import EncoderCore
 from pdcluster.engine.outputs import EngineCoreOutput
 from pdcluster.engine.request import Request
 
-Encoded = tuple[EngineCoreOutput, dict[str, np.ndarray]]  # its last output, outputs by mm_hash
+Encoded = tuple[EngineCoreOutput, dict[str, EncoderOutput]]  # its last output, outputs by mm_hash
 
 
 class EncoderInstanceActor(InstanceBase):
@@ -35,7 +33,7 @@ class EncoderInstanceActor(InstanceBase):
     def _build_core(self, spec: InstanceSpec) -> EncoderCore:
         return EncoderCore(spec.engine, RayECConnector("producer", spec.ec_timeout_s))
 
-    async def encode(self, request: Request) -> dict[str, np.ndarray]:
+    async def encode(self, request: Request) -> dict[str, EncoderOutput]:
         """The encoder outputs of every image of `request`, by mm_hash."""
         rid = request.request_id
         if self._streams.aborted_before_start(rid):
@@ -80,7 +78,7 @@ class EncoderInstanceActor(InstanceBase):
     def _num_calls(self) -> int:
         return len(self._encodes)
 
-    def _encoded(self, out: EngineCoreOutput, outputs: dict[str, np.ndarray]) -> None:
+    def _encoded(self, out: EngineCoreOutput, outputs: dict[str, EncoderOutput]) -> None:
         future = self._encodes.get(out.request_id)
         if future is not None and not future.done():  # else `encode` was aborted
             future.set_result((out, outputs))

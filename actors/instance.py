@@ -37,9 +37,12 @@ from pdcluster.routing.handoff import for_decode, for_prefill
 from pdcluster.routing.role import Role
 
 
-def build_core(spec: InstanceSpec, wake: Callable[[], None] | None = None) -> EngineCore:
+def build_core(
+    spec: InstanceSpec, wake: Callable[[], None] | None = None, epoch: str | None = None
+) -> EngineCore:
     """The engine of a P, D or mixed instance, with the connectors its role needs; `wake` is
-    called when encoder outputs that a deferred request waits for have landed."""
+    called when encoder outputs that a deferred request waits for have landed; `epoch` names
+    this incarnation in its KV handles (a fresh one when None)."""
     device = resolve_device(spec.engine.device)
     dtype = Precision.resolve(spec.engine.dtype, spec.engine.quantization, device).dtype
     block_size = spec.engine.cache.block_size
@@ -52,6 +55,7 @@ def build_core(spec: InstanceSpec, wake: Callable[[], None] | None = None) -> En
                 block_size=block_size,
                 lease_s=spec.kv_lease_s,
                 load_timeout_s=spec.kv_load_timeout_s,
+                epoch=epoch,
             )
         )
     if spec.kv_pool is not None:
@@ -82,7 +86,7 @@ class InstanceActor(InstanceBase):
         super().__init__(spec)
 
     def _build_core(self, spec: InstanceSpec) -> EngineCore:
-        core = build_core(spec, wake=lambda: self._inbox.put(WAKE))
+        core = build_core(spec, wake=lambda: self._inbox.put(WAKE), epoch=self.epoch)
         core.enable_kv_events()
         return core
 
@@ -123,11 +127,12 @@ class InstanceActor(InstanceBase):
         self.core.unload_lora(name)
         self._inbox.put(WAKE)
 
-    async def ack_kv(self, request_id: str) -> None:
-        """A consumer has read this request's KV (producer role)."""
+    async def ack_kv(self, request_id: str, epoch: str) -> None:
+        """A consumer has read this request's KV as incarnation `epoch` published it
+        (producer role); an ack for another incarnation is refused."""
         kv = handoff_connector(self.core)
         if kv is not None:
-            kv.ack(request_id)
+            kv.ack(request_id, epoch)
             self._inbox.put(WAKE)  # an idle loop steps to free the blocks
 
     # ---- hooks of InstanceBase ----------------------------------------------------------

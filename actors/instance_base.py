@@ -90,13 +90,13 @@ class InstanceBase:
         self.spec = spec
         self._node_id = ray.get_runtime_context().get_node_id()
         self._inbox: queue.SimpleQueue[StepCommand] = queue.SimpleQueue()
+        self._kv_log = KVEventLog()  # its epoch names this incarnation
         self.core = self._build_core(spec)
         self._streams = Outboxes(spec.stream_idle_timeout_s)
         self._clock = StageClock(spec.instance_id, spec.role)  # the step thread's
-        self._kv_log = KVEventLog()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reaper: asyncio.Task | None = None
-        self._stats = InstanceStats(spec.instance_id, spec.role)
+        self._stats = InstanceStats(spec.instance_id, spec.role, epoch=self.epoch)
         self._metrics = InstanceMetrics(spec.model_name, spec.instance_id, spec.role)
         self._stopping = False
         self._draining = False
@@ -106,6 +106,11 @@ class InstanceBase:
         self._load_key: tuple[Any, ...] = ()  # the step thread's last published load
         self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self._thread.start()
+
+    @property
+    def epoch(self) -> str:
+        """This incarnation of the instance: a restart under the same name gets a new one."""
+        return self._kv_log.epoch
 
     # ---- what a kind of instance supplies -----------------------------------------------
     def _build_core(self, spec: InstanceSpec) -> EngineCore | EncoderCore:
@@ -335,6 +340,7 @@ class InstanceBase:
             role=self.spec.role,
             pid=os.getpid(),
             node_id=self._node_id,
+            epoch=self.epoch,
             num_threads=torch.get_num_threads(),
             paused=self._paused.is_set(),
             num_steps=self._num_steps,

@@ -51,6 +51,7 @@ class KVPoolActor:
         self._events = KVEventLog()
         self._published: asyncio.Event | None = None  # set (and replaced) at every publish
         self._num_failed_publishes = 0
+        self._num_refused_releases = 0
         self._num_bytes_published = 0
         logger.info("KV pool: %.2f GiB", capacity_bytes / GiB)
 
@@ -77,10 +78,16 @@ class KVPoolActor:
 
     async def lookup(self, layout: str, block_hashes: list[int]) -> PoolHit:
         """The longest run of `block_hashes`, from the first, held here; pinned until
-        `release` (or its pin lease)."""
-        return self.index.lookup(layout, list(block_hashes))
+        `release` (or its pin lease). The hit names this incarnation (`epoch`)."""
+        hit = self.index.lookup(layout, list(block_hashes))
+        return dataclasses.replace(hit, epoch=self._events.epoch)
 
-    async def release(self, lookup_id: int) -> None:
+    async def release(self, lookup_id: int, epoch: str) -> None:
+        """A reader is done with a hit; one from another incarnation is refused (counted):
+        lookup ids start again with every incarnation."""
+        if epoch != self._events.epoch:
+            self._num_refused_releases += 1
+            return
         self.index.release(lookup_id)
 
     async def events(
@@ -107,5 +114,6 @@ class KVPoolActor:
         return KVPoolStats(
             **self.index.stats(),
             num_failed_publishes=self._num_failed_publishes,
+            num_refused_releases=self._num_refused_releases,
             bytes_published=self._num_bytes_published,
         )

@@ -97,6 +97,7 @@ class InstanceStats:
     reachable: bool = True
     pid: int | None = None
     node_id: str | None = None
+    epoch: str = ""  # this incarnation: a restart under the same name gets a new one
     num_threads: int = 0
     paused: bool = False
     num_steps: int = 0

@@ -68,6 +68,7 @@ class KVPoolStats:
     num_blocks: int
     num_pinned_entries: int  # entries a reader looked up and has not released
     num_failed_publishes: int  # the publisher's object was gone before the pool copied it
+    num_refused_releases: int  # releases naming another incarnation (epoch) of the pool
     bytes_published: int  # bytes of the entries kept
 
     def to_dict(self) -> dict[str, int]:

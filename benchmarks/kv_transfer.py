@@ -11,6 +11,8 @@ publish is several arrays and the load several scattered copies.
     e2e ms      = driver wall time of both actor calls (adds two RPCs and the params' transit)
     memcpy GB/s = np.copyto of the same bytes into a pre-touched buffer, inside D
     ratio       = handoff GB/s / memcpy GB/s (two copies is the floor: 0.5)
+    checksum    = the handoff's cost of checking its bytes (connectors/checksum.py): handoffs
+                  with and without checksums alternate, and this is the ratio of their medians
 
 Usage:
     python -m pdcluster.benchmarks.kv_transfer                     # single node, 1..512 MB
@@ -86,28 +88,41 @@ def make_actors(ray, layout: Layout, pool_blocks: int, run: int, multinode: bool
     @ray.remote(num_cpus=0, max_concurrency=2, name=PRODUCER_NAME, **p_opts)
     class Producer:
         def __init__(self) -> None:
-            self.conn = RayKVConnector(PRODUCER_NAME, "producer", layout.block_size, lease_s=600)
-            self.conn.register_kv_caches(pool_of(fill_by_block=True))
+            pool = pool_of(fill_by_block=True)
+            self.conns = {  # one name, two incarnations: with and without checksums
+                checked: RayKVConnector(
+                    PRODUCER_NAME, "producer", layout.block_size, lease_s=600, checksum=checked
+                )
+                for checked in (True, False)
+            }
+            for conn in self.conns.values():
+                conn.register_kv_caches(pool)
+            self.sent: set[str] = set()
 
-        def publish(self, rid: str, num_blocks: int, seed: int):
+        def publish(self, rid: str, num_blocks: int, seed: int, checksum: bool):
             request = Request(rid, [1] * (num_blocks * layout.block_size), SamplingParams())
             request.kv_transfer_params = KVTransferParams.remote_decode()
             request.num_computed_tokens = request.num_prompt_tokens
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             block_ids = shuffled_runs(num_blocks, run, pool_blocks, seed)
             start = time.perf_counter()
-            delay_free, params = self.conn.request_finished(request, block_ids)
+            delay_free, params = self.conns[checksum].request_finished(request, block_ids)
             publish_ms = (time.perf_counter() - start) * 1e3
             assert delay_free
             return {"params": params, "src_block_ids": block_ids, "publish_ms": publish_ms}
 
-        def ack_kv(self, rid: str) -> None:  # RPC thread, while wait_sent polls
-            self.conn.ack(rid)
+        def ack_kv(self, rid: str, epoch: str) -> None:  # RPC thread, while wait_sent polls
+            for conn in self.conns.values():
+                if conn.epoch == epoch:
+                    conn.ack(rid, epoch)
 
         def wait_sent(self, rid: str, timeout_s: float = 30.0) -> bool:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                if rid in self.conn.get_finished(set())[0]:
+                for conn in self.conns.values():
+                    self.sent |= conn.get_finished(set())[0]
+                if rid in self.sent:
+                    self.sent.discard(rid)
                     return True
                 time.sleep(0.001)
             return False
@@ -164,10 +179,10 @@ def make_actors(ray, layout: Layout, pool_blocks: int, run: int, multinode: bool
     return producer, consumer
 
 
-def handoff(ray, producer, consumer, num_blocks: int, seed: int) -> dict:
+def handoff(ray, producer, consumer, num_blocks: int, seed: int, checksum: bool = True) -> dict:
     rid = f"req-{seed}"
     start = time.perf_counter()
-    published = producer.publish.remote(rid, num_blocks, seed)
+    published = producer.publish.remote(rid, num_blocks, seed, checksum)
     loaded = ray.get(consumer.load.remote(published, seed))  # resolved by Ray on the way
     e2e_ms = (time.perf_counter() - start) * 1e3
     pub = ray.get(published)
@@ -187,18 +202,21 @@ def measure(ray, producer, consumer, layout: Layout, sizes_mb: list[float], args
     for size_mb in sizes_mb:
         num_blocks = max(1, round(size_mb * 2**20 / layout.block_bytes))
         nbytes = num_blocks * layout.block_bytes
-        trials = []
-        for _ in range(args.trials):
-            trials.append(handoff(ray, producer, consumer, num_blocks, next(_seeds)))
-            time.sleep(args.pause_s)  # lets the store free the previous object
+        trials, unchecked = [], []
+        for _ in range(args.trials):  # alternate, so that both see the same machine
+            for checksum, into in ((True, trials), (False, unchecked)):
+                into.append(handoff(ray, producer, consumer, num_blocks, next(_seeds), checksum))
+                time.sleep(args.pause_s)  # lets the store free the previous object
         memcpy = ray.get(consumer.memcpy_gbps.remote(nbytes, args.trials))
         med = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
         handoff_ms = statistics.median(t["publish_ms"] + t["load_ms"] for t in trials)
+        unchecked_ms = statistics.median(t["publish_ms"] + t["load_ms"] for t in unchecked)
         gbps = nbytes / (handoff_ms / 1e3) / 1e9
         rows.append(
             dict(
                 MiB=nbytes / 2**20, blocks=num_blocks, **med, handoff_ms=handoff_ms,
                 handoff_gbps=gbps, memcpy_gbps=memcpy, ratio=gbps / memcpy,
+                checksum=handoff_ms / unchecked_ms - 1,
             )
         )  # fmt: skip
     return rows
@@ -208,15 +226,18 @@ def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
     head = (
         f"{'MiB':>8} {'blocks':>6} {'publish':>8} {'load':>8} {'handoff':>8} {'e2e':>8} "
-        f"{'handoff':>8} {'memcpy':>7} {'ratio':>6}"
+        f"{'handoff':>8} {'memcpy':>7} {'ratio':>6} {'checksum':>8}"
     )
     print(head)
-    print(f"{'':>8} {'':>6} {'ms':>8} {'ms':>8} {'ms':>8} {'ms':>8} {'GB/s':>8} {'GB/s':>7}")
+    print(
+        f"{'':>8} {'':>6} {'ms':>8} {'ms':>8} {'ms':>8} {'ms':>8} {'GB/s':>8} {'GB/s':>7} "
+        f"{'':>6} {'cost':>8}"
+    )
     for r in rows:
         print(
             f"{r['MiB']:>8.1f} {r['blocks']:>6} {r['publish_ms']:>8.2f} {r['load_ms']:>8.2f} "
             f"{r['handoff_ms']:>8.2f} {r['e2e_ms']:>8.2f} {r['handoff_gbps']:>8.2f} "
-            f"{r['memcpy_gbps']:>7.2f} {r['ratio']:>6.2f}"
+            f"{r['memcpy_gbps']:>7.2f} {r['ratio']:>6.2f} {r['checksum']:>+8.1%}"
         )
 
 

@@ -37,6 +37,7 @@ class PoolPublish:
     refs: list[Any]  # [ObjectRef]: inside a list so that Ray never resolves it in transit
     run_lengths: tuple[int, ...]
     nbytes: int
+    digests: tuple[int, ...] | None = None  # each row's checksum (connectors/checksum.py)
 
 
 @dataclass(frozen=True)
@@ -48,14 +49,17 @@ class PoolPart:
     run_lengths: tuple[int, ...]
     first_row: int
     num_blocks: int
+    digests: tuple[int, ...] | None = None  # the entry's, one per row of its object
 
 
 @dataclass(frozen=True)
 class PoolHit:
-    """The blocks the pool holds for the asked hashes, in order; pinned until released."""
+    """The blocks the pool holds for the asked hashes, in order; pinned until released
+    (naming the lookup and the pool's incarnation, `epoch`)."""
 
     lookup_id: int
     parts: tuple[PoolPart, ...] = ()
+    epoch: str = ""
 
     @property
     def num_blocks(self) -> int:
@@ -68,6 +72,7 @@ class _Entry:
     run_lengths: tuple[int, ...]
     keys: list[tuple[str, int]]  # (layout, hash) per row; the rows `_where` names are ours
     nbytes: int
+    digests: tuple[int, ...] | None
     num_pins: int = 0
 
 
@@ -106,6 +111,8 @@ class KVPoolIndex:
         num_rows, num_hashes = sum(entry.run_lengths), len(entry.block_hashes)
         if num_rows != num_hashes or not num_hashes:
             raise ValueError(f"{num_rows} rows for {num_hashes} block hashes")
+        if entry.digests is not None and len(entry.digests) != num_rows:
+            raise ValueError(f"{len(entry.digests)} checksums for {num_rows} rows")
         self._expire_pins()
         keys = [(entry.layout, h) for h in entry.block_hashes]
         nbytes = entry.nbytes
@@ -113,7 +120,7 @@ class KVPoolIndex:
             self._counters["num_rejected"] += 1
             return False
         entry_id = next(self._ids)
-        self._entries[entry_id] = _Entry(entry.refs, entry.run_lengths, keys, nbytes)
+        self._entries[entry_id] = _Entry(entry.refs, entry.run_lengths, keys, nbytes, entry.digests)
         for row, key in enumerate(keys):
             if key not in self._where:
                 self._where[key] = (entry_id, row)
@@ -172,7 +179,13 @@ class KVPoolIndex:
         hit = PoolHit(
             lookup_id,
             tuple(
-                PoolPart(self._entries[e].refs, self._entries[e].run_lengths, row, n)
+                PoolPart(
+                    self._entries[e].refs,
+                    self._entries[e].run_lengths,
+                    row,
+                    n,
+                    self._entries[e].digests,
+                )
                 for e, row, n in parts
             ),
         )

@@ -1,14 +1,16 @@
 """Encoder-output (EC) connector over Ray's object store.
 
 Producer (encoder instance): `save_caches` turns each fresh encoder output into a NumPy
-array; the encoder actor returns those arrays from its `encode` call, so they land in the
-object store owned by the caller (the router) and survive the encoder's death.
+array with its checksum (connectors/checksum.py); the encoder actor returns those
+`EncoderOutput`s from its `encode` call, so they land in the object store owned by the caller
+(the router) and survive the encoder's death.
 
 Consumer (prefill or mixed instance): a request may carry a handle, the ObjectRef of that
 `encode` call. `ensure_cache_available` never blocks: it returns False while the handle's
 future is pending; the future's completion calls `wake` (the instance's step loop sleeps
 meanwhile). Once they are local they are loaded into the encoder cache
-with no local encoder run. A failed or late handle makes the instance encode locally.
+with no local encoder run, each checked against its checksum first. A failed, late or
+corrupt handle makes the instance encode locally.
 """
 
 from __future__ import annotations
@@ -23,10 +25,27 @@ import numpy as np
 import ray
 import torch
 
+from pdcluster.connectors import faults
 from pdcluster.connectors.base import ECConnectorBase
+from pdcluster.connectors.checksum import digest
 from pdcluster.connectors.stats import ECStats
 from pdcluster.engine.outputs import SchedulerOutput
 from pdcluster.engine.request import Request
+
+
+@dataclass(frozen=True)
+class EncoderOutput:
+    """One image's encoder output as E's `encode` returns it: the array and its checksum."""
+
+    array: np.ndarray
+    digest: int
+
+    def intact(self) -> bool:
+        return (
+            isinstance(self.array, np.ndarray)
+            and self.array.flags.c_contiguous
+            and digest(self.array) == self.digest
+        )
 
 
 @dataclass
@@ -51,21 +70,27 @@ class RayECConnector(ECConnectorBase):
         self.device = device or torch.device("cpu")
         self.dtype = dtype
         self.wake = wake  # called, from a Ray thread, when a handle's outputs have landed
-        self.outbox: dict[str, np.ndarray] = {}  # producer: mm_hash -> fresh encoder output
+        self.outbox: dict[str, EncoderOutput] = {}  # producer: mm_hash -> fresh encoder output
         self._handles: dict[str, _Handle] = {}  # consumer: request id -> in-flight handle
         self._ready: dict[str, np.ndarray] = {}  # consumer: mm_hash -> output ready to load
         self._ready_for: dict[str, set[str]] = {}  # consumer: request id -> its ready hashes
         self._to_load: list[str] = []
         self.num_loaded = 0
         self.num_fallbacks = 0  # handles that failed or timed out: encoded locally instead
+        self.num_checksum_failures = 0  # of those, handles whose outputs were corrupt
         self.bytes_loaded = 0
 
     # ---- producer --------------------------------------------------------------------
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
-        if self.role == "producer":  # a consumer's local encodes stay local
-            self.outbox[mm_hash] = encoder_cache[mm_hash].detach().float().cpu().numpy()
+        if self.role != "producer":  # a consumer's local encodes stay local
+            return
+        array = np.ascontiguousarray(encoder_cache[mm_hash].detach().float().cpu().numpy())
+        checksum = digest(array)
+        if faults.strike(faults.Fault.CORRUPT_ENCODER_OUTPUT):
+            array = faults.flipped(array)
+        self.outbox[mm_hash] = EncoderOutput(array, checksum)
 
-    def take_outputs(self, mm_hashes: list[str]) -> dict[str, np.ndarray]:
+    def take_outputs(self, mm_hashes: list[str]) -> dict[str, EncoderOutput]:
         return {h: self.outbox[h] for h in mm_hashes if h in self.outbox}
 
     def clear_outbox(self) -> None:
@@ -102,7 +127,10 @@ class RayECConnector(ECConnectorBase):
         if handle.future.exception() is not None:  # the encoder died or failed
             return self._give_up(request.request_id)
         outputs = handle.future.result()
-        self._ready.update(outputs)
+        if not all(isinstance(out, EncoderOutput) and out.intact() for out in outputs.values()):
+            self.num_checksum_failures += 1
+            return self._give_up(request.request_id)
+        self._ready.update((mm_hash, out.array) for mm_hash, out in outputs.items())
         self._ready_for[request.request_id] = set(outputs)
         del self._handles[request.request_id]
         return True
@@ -140,7 +168,13 @@ class RayECConnector(ECConnectorBase):
         return set(), set()
 
     def stats(self) -> ECStats:
-        return ECStats(len(self._handles), self.num_loaded, self.num_fallbacks, self.bytes_loaded)
+        return ECStats(
+            len(self._handles),
+            self.num_loaded,
+            self.num_fallbacks,
+            self.bytes_loaded,
+            self.num_checksum_failures,
+        )
 
     def shutdown(self) -> None:
         self.outbox.clear()

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -29,12 +31,14 @@ import ray
 import torch
 from ray.exceptions import RayError
 
+from pdcluster.connectors import faults
 from pdcluster.connectors.base import (
     HeadShardedKV,
     KVConnectorBase,
     KVLoadError,
     KVTransferParams,
 )
+from pdcluster.connectors.checksum import ChecksumError
 from pdcluster.connectors.ray_kv_layout import (
     BlockArrays,
     Latency,
@@ -51,9 +55,14 @@ from pdcluster.engine.request import Request
 logger = logging.getLogger(__name__)
 
 ROLES = ("producer", "consumer", "both")
-_LOAD_COUNTERS = ("num_loads", "num_failed_loads", "bytes_received")  # KVTransferStats fields
+_LOAD_COUNTERS = (  # KVTransferStats fields
+    "num_loads",
+    "num_failed_loads",
+    "checksum_failures",
+    "bytes_received",
+)
 
-AckSender = Callable[[str, str], None]
+AckSender = Callable[[str, str, str], None]  # (producer engine id, its request id, its epoch)
 # How long start_load_kv waits for the futures of objects already in this node's store: they
 # resolve in well under 1 ms; the bound only keeps a surprise from stalling the step loop.
 LOCAL_RESOLVE_TIMEOUT_S = 0.1
@@ -65,16 +74,21 @@ class _ActorAckSender:
     def __init__(self) -> None:
         self._actors: dict[str, ray.actor.ActorHandle] = {}
 
-    def __call__(self, remote_engine_id: str, remote_request_id: str) -> None:
+    def __call__(self, remote_engine_id: str, remote_request_id: str, epoch: str) -> None:
         actor = self._actors.get(remote_engine_id)
         if actor is None:
             actor = ray.get_actor(remote_engine_id)
             self._actors[remote_engine_id] = actor
-        actor.ack_kv.remote(remote_request_id)  # fire and forget
+        actor.ack_kv.remote(remote_request_id, epoch)  # fire and forget
 
 
 class RayKVConnector(KVConnectorBase):
-    """P->D KV handoff through the Ray object store; one object serves one instance."""
+    """P->D KV handoff through the Ray object store; one object serves one instance.
+
+    Checked (connectors/checksum.py): the producer hashes every block it publishes, the
+    consumer checks each block as it copies it in; a mismatch fails the load closed and the
+    request is recomputed here whatever `kv_load_failure_policy` says. `epoch` names this
+    incarnation of the instance (a fresh one by default) in its handles and their acks."""
 
     def __init__(
         self,
@@ -85,6 +99,8 @@ class RayKVConnector(KVConnectorBase):
         load_timeout_s: float = 60.0,
         ack_sender: AckSender | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        epoch: str | None = None,
+        checksum: bool = True,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -95,17 +111,21 @@ class RayKVConnector(KVConnectorBase):
         self.block_size = block_size
         self.lease_s = lease_s
         self.load_timeout_s = load_timeout_s
+        self.epoch = uuid.uuid4().hex[:12] if epoch is None else epoch
         self._ack_sender = ack_sender or _ActorAckSender()
         self._clock = clock  # times loads (and their modeled arrival)
         self._transfer_s: Callable[[int], float] | None = None
         self._blocks: BlockArrays | None = None  # the KV pool, once registered
         # Producer: blocks stay referenced until the consumer acks or the lease expires.
-        self._producer = RayKVProducer(engine_id, block_size, lease_s, self._block_arrays)
+        self._producer = RayKVProducer(
+            engine_id, block_size, lease_s, self._block_arrays, self.epoch, checksum
+        )
         # Consumer: a request id is claimed from allocation until it finishes here.
         self._claimed: set[str] = set()
         self._new_loads: list[RayKVLoad] = []
         self._inflight: dict[str, RayKVLoad] = {}
         self._failed: set[str] = set()
+        self._corrupt: set[str] = set()  # failed a checksum: recomputed whatever the policy
         self._draft_loaded: dict[str, int] = {}  # landed with draft KV: its tokens
         self._counters = dict.fromkeys(_LOAD_COUNTERS, 0)
         self._load_ms = Latency()  # start_load_kv -> copied into our blocks
@@ -140,15 +160,16 @@ class RayKVConnector(KVConnectorBase):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, KVTransferParams | None]:
         self._claimed.discard(request.request_id)
+        self._corrupt.discard(request.request_id)
         self._draft_loaded.pop(request.request_id, None)
         if not self.is_producer:
             return False, None
         return self._producer.request_finished(request, block_ids)
 
-    def ack(self, request_id: str) -> None:
-        """The consumer has read `request_id` (see RayKVProducer.ack). Thread-safe: called
-        from the actor's RPC thread."""
-        self._producer.ack(request_id)
+    def ack(self, request_id: str, epoch: str) -> None:
+        """The consumer has read `request_id` of incarnation `epoch` (see RayKVProducer.ack).
+        Thread-safe: called from the actor's RPC thread."""
+        self._producer.ack(request_id, epoch)
 
     def has_pending(self) -> bool:
         return bool(self._producer.num_pending) or self.needs_polling()
@@ -182,7 +203,7 @@ class RayKVConnector(KVConnectorBase):
         # free its blocks now rather than at its lease.
         self._claimed.add(request.request_id)
         request.kv_transfer_params = params.released()
-        self._ack(request.request_id, params.remote_engine_id, params.remote_request_id)
+        self._ack(request.request_id, params, handle.epoch)
         return 0, False
 
     def update_state_after_alloc(
@@ -245,6 +266,8 @@ class RayKVConnector(KVConnectorBase):
             num_tokens=num_external,
             num_runs=len(handle.run_lengths),
             num_draft_tokens=num_tokens if with_draft else 0,
+            digests=handle.digests,
+            remote_epoch=handle.epoch,
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> RayKVConnectorMetadata:
@@ -265,6 +288,8 @@ class RayKVConnector(KVConnectorBase):
             load.started_s = load.ready_s = now
             if self._transfer_s is not None:
                 load.ready_s = now + self._transfer_s(load.num_tokens)
+            if delay := faults.strike(faults.Fault.DELAY_LOAD):
+                load.ready_s = now + delay.seconds
             load.future = load.ref.future()  # resolves to the views, or to the fetch's error
             self._inflight[load.request_id] = load
         local_futures = [load.future for load in metadata.loads if load.ref in local]
@@ -287,11 +312,20 @@ class RayKVConnector(KVConnectorBase):
         return finished_sending, finished_recving
 
     def _land(self, load: RayKVLoad) -> bool:
-        """Copy a fetched object into the request's blocks and ack; False when it failed."""
+        """Copy a fetched object into the request's blocks and ack; False when it failed. A
+        checksum mismatch is acked too: nothing more will be read from that object."""
         try:
             arrays = load.future.result()
             with_draft = load.num_draft_tokens > 0
-            self._block_arrays().copy_in(arrays, load.segments, load.num_runs, with_draft)
+            self._block_arrays().copy_in(
+                arrays, load.segments, load.num_runs, with_draft, load.digests
+            )
+        except ChecksumError as e:
+            self._counters["checksum_failures"] += 1
+            self._corrupt.add(load.request_id)
+            self._fail(load.request_id, e)
+            self._ack(load.request_id, load, load.remote_epoch)
+            return False
         except (RayError, ValueError, TypeError, IndexError, RuntimeError) as e:
             self._fail(load.request_id, KVLoadError(f"{type(e).__name__}: {e}"))
             return False
@@ -302,19 +336,36 @@ class RayKVConnector(KVConnectorBase):
         self._counters["bytes_received"] += load.nbytes
         if load.num_draft_tokens:
             self._draft_loaded[load.request_id] = load.num_draft_tokens
-        self._ack(load.request_id, load.remote_engine_id, load.remote_request_id)
+        self._ack(load.request_id, load, load.remote_epoch)
         return True
 
-    def _ack(self, request_id: str, remote_engine_id: str, remote_request_id: str) -> None:
+    def _ack(self, request_id: str, source: RayKVLoad | KVTransferParams, epoch: str) -> None:
+        """Tell the producer its object was read (at once, or late under a DELAY_ACK fault)."""
+        engine_id, remote_id = source.remote_engine_id, source.remote_request_id
+        if delay := faults.strike(faults.Fault.DELAY_ACK):
+            timer = threading.Timer(
+                delay.seconds, self._send_ack, (request_id, engine_id, remote_id, epoch)
+            )
+            timer.daemon = True
+            timer.start()
+            return
+        self._send_ack(request_id, engine_id, remote_id, epoch)
+
+    def _send_ack(self, request_id: str, engine_id: str, remote_id: str, epoch: str) -> None:
         try:
-            self._ack_sender(remote_engine_id, remote_request_id)
+            self._ack_sender(engine_id, remote_id, epoch)
         except Exception as e:  # the producer's lease frees its blocks without the ack
-            logger.warning("request %r: ack to %r failed: %s", request_id, remote_engine_id, e)
+            logger.warning("request %r: ack to %r failed: %s", request_id, engine_id, e)
 
     def _fail(self, request_id: str, error: KVLoadError) -> None:
         logger.warning("request %r: remote KV load failed: %s", request_id, error)
         self._failed.add(request_id)
         self._counters["num_failed_loads"] += 1
+
+    def load_failure_recomputes(self, request: Request) -> bool:
+        """A load that failed its checksum is recomputed: corrupt bytes are never served,
+        nor is the client's request failed for them."""
+        return request.request_id in self._corrupt
 
     def take_loaded_draft_tokens(self, request_id: str) -> int:
         """Tokens of `request_id` whose draft KV landed with the target's (once)."""
@@ -330,6 +381,7 @@ class RayKVConnector(KVConnectorBase):
         self._new_loads.clear()
         self._inflight.clear()
         self._failed.clear()
+        self._corrupt.clear()
         self._claimed.clear()
         self._draft_loaded.clear()
         self._producer.clear()

@@ -15,6 +15,7 @@ import ray
 import torch
 
 from pdcluster.connectors.base import KVHandle, KVLoadError, KVTransferParams
+from pdcluster.connectors.checksum import ChecksumError, check_rows, row_offsets
 from pdcluster.connectors.stats import LatencyHistogram
 
 if TYPE_CHECKING:
@@ -39,6 +40,9 @@ class RayKVHandle(KVHandle):
     # A producer that drafts (speculative method draft_model): its draft model's block layout;
     # the object's arrays are the target's runs, then the draft's same runs.
     draft_layout: tuple[tuple[int, ...], str] | None = None
+    # xxHash3-64 of each row of each array, in order (connectors/checksum.py); None: unchecked.
+    digests: tuple[int, ...] | None = None
+    epoch: str = ""  # the producer's incarnation: its ack names it
 
     def released(self) -> RayKVHandle:
         return replace(self, ref=None)
@@ -62,6 +66,15 @@ class RayKVHandle(KVHandle):
                 raise KVLoadError(
                     f"handle draft_layout {self.draft_layout} does not fit its blocks"
                 )
+        num_rows = self.num_blocks * (1 if self.draft_layout is None else 2)
+        if self.digests is not None and (
+            not isinstance(self.digests, tuple)
+            or len(self.digests) != num_rows
+            or not all(isinstance(d, int) for d in self.digests)
+        ):
+            raise KVLoadError(f"handle digests must be a tuple of {num_rows} ints")
+        if not isinstance(self.epoch, str):
+            raise KVLoadError("handle epoch must be a string")
 
     @property
     def num_blocks(self) -> int:
@@ -124,6 +137,8 @@ class RayKVLoad:
     # The object's draft KV (for tokens [0, this)) goes into our draft's blocks: the producer
     # drafts with a model of our draft's layout. 0: only the target's KV is copied.
     num_draft_tokens: int = 0
+    digests: tuple[int, ...] | None = None  # the handle's checksums (None: unchecked)
+    remote_epoch: str = ""  # the producer's incarnation, named in the ack
     started_s: float = 0.0
     ready_s: float = 0.0  # not reported finished before (a simulated link's arrival)
     future: concurrent.futures.Future | None = None
@@ -241,23 +256,35 @@ class BlockArrays:
         segments: list[tuple[int, int, int, int]],
         num_runs: int,
         with_draft: bool,
+        digests: tuple[int, ...] | None = None,
     ) -> None:
         """Copy (array_index, src_row, dst_block, count) segments of `arrays[:num_runs]` into
-        blocks and, `with_draft`, of the draft's runs after them into the draft's blocks."""
+        blocks and, `with_draft`, of the draft's runs after them into the draft's blocks.
+        With `digests` (one per row of every array, in order), each copied block is checked
+        against its own: ChecksumError on a mismatch."""
+        offsets = row_offsets(arrays)
         if with_draft:
             if self.draft is None or len(arrays) != 2 * num_runs:
                 raise ValueError("the object carries no draft KV for this pool")
-            self.draft.copy_in(arrays[num_runs:], segments, num_runs, False)
+            draft_digests = None if digests is None else digests[offsets[num_runs] :]
+            self.draft.copy_in(arrays[num_runs:], segments, num_runs, False, draft_digests)
         arrays = arrays[:num_runs]
+        num_rows = sum(len(a) for a in arrays)
+        if digests is not None and len(digests) < num_rows:
+            raise ChecksumError(f"{len(digests)} checksums for {num_rows} blocks")
         for array_idx, src, dst, count in segments:
             source = arrays[array_idx][src : src + count]  # [count, *block_shape]
             if source.shape != (count, *self.block_shape):
                 raise ValueError(
                     f"source run has shape {source.shape}, expected {self.block_shape}"
                 )
+            first = offsets[array_idx] + src
+            expected = None if digests is None else digests[first : first + count]
             if self._pool_np is not None and self._shards is None:
-                np.copyto(self._pool_np[dst : dst + count], source)
+                self._copy_rows(source, dst, expected)
                 continue
+            if expected is not None:  # checked where it lies: the copy goes to a device or ranks
+                check_rows(source, expected, "KV object")
             with warnings.catch_warnings():  # read-only store memory, only read from
                 warnings.simplefilter("ignore", UserWarning)
                 blocks = torch.from_numpy(source)
@@ -265,6 +292,16 @@ class BlockArrays:
                     self._shards.write_blocks(dst, blocks)
                 else:
                     self.tensor[dst : dst + count].copy_(blocks)
+
+    def _copy_rows(self, source: np.ndarray, dst: int, digests: tuple[int, ...] | None) -> None:
+        """Copy rows into blocks dst...; each block checked as it lands, still in cache."""
+        target = self._pool_np[dst : dst + len(source)]
+        if digests is None:
+            np.copyto(target, source)
+            return
+        for i in range(len(source)):
+            np.copyto(target[i], source[i])
+            check_rows(target[i : i + 1], digests[i : i + 1], "KV object")
 
 
 class Latency:

@@ -1,5 +1,9 @@
 """KV connector to the cluster KV pool (`actors/kv_pool.py`) in Ray's object store.
 
+Checked like a P->D handoff (connectors/checksum.py): a publish carries every block's
+checksum, computed on the publisher thread from the copy it puts; a load checks each block as
+it lands, and a mismatch is recomputed like any failed pool load.
+
 Lookup (a P or mixed instance): after the local prefix cache, the pool is asked, without
 waiting, for the longest run of the request's further full blocks (by the engine's block
 hashes). Until it answers, `get_num_new_matched_tokens` says "not known yet" and the
@@ -34,7 +38,9 @@ import ray
 import torch
 from ray.exceptions import RayError
 
+from pdcluster.connectors import faults
 from pdcluster.connectors.base import HeadShardedKV, KVConnectorBase, KVTransferParams
+from pdcluster.connectors.checksum import ChecksumError, row_digests
 from pdcluster.connectors.kv_pool_index import PoolHit, PoolPublish
 from pdcluster.connectors.ray_kv import LOCAL_RESOLVE_TIMEOUT_S
 from pdcluster.connectors.ray_kv_layout import BlockArrays, Latency, plan_segments
@@ -50,6 +56,7 @@ _COUNTERS = (  # KVPoolUse fields
     "hit_tokens",
     "loads",
     "failed_loads",
+    "checksum_failures",
     "publishes",
     "bytes_published",
     "bytes_loaded",
@@ -65,12 +72,13 @@ class _Hit:
 
 
 class PoolPart(NamedTuple):
-    """One pool object a load reads: its ref, its number of runs (arrays), and
-    (array_index, src_row, dst_block, count) copies."""
+    """One pool object a load reads: its ref, its number of runs (arrays),
+    (array_index, src_row, dst_block, count) copies and its rows' checksums."""
 
     ref: Any
     num_runs: int
     segments: list[tuple[int, int, int, int]]
+    digests: tuple[int, ...] | None
 
 
 @dataclass
@@ -79,6 +87,7 @@ class PoolLoad:
 
     request_id: str
     lookup_id: int
+    epoch: str  # the pool's incarnation that answered the lookup
     first_block: int  # the request's first block it fills
     parts: list[PoolPart]
     nbytes: int
@@ -181,7 +190,7 @@ class RayKVPoolConnector(KVConnectorBase):
     def _drop_hit(self, rid: str) -> None:
         found = self._hits.pop(rid, None)
         if found is not None and found.hit.num_blocks:
-            self.pool.release.remote(found.hit.lookup_id)
+            self.pool.release.remote(found.hit.lookup_id, found.hit.epoch)
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
@@ -211,10 +220,10 @@ class RayKVPoolConnector(KVConnectorBase):
             if lo < hi:
                 row = part.first_row + lo - block
                 segments = plan_segments(part.run_lengths, row, list(block_ids[lo:hi]))
-                parts.append(PoolPart(part.refs[0], len(part.run_lengths), segments))
+                parts.append(PoolPart(part.refs[0], len(part.run_lengths), segments, part.digests))
             block += part.num_blocks
         nbytes = (end - first) * nbytes_per_block
-        return PoolLoad(rid, found.hit.lookup_id, first, parts, nbytes)
+        return PoolLoad(rid, found.hit.lookup_id, found.hit.epoch, first, parts, nbytes)
 
     def build_connector_meta(self, scheduler_output: Any) -> list[PoolLoad]:
         loads, self._new_loads = self._new_loads, []
@@ -256,7 +265,11 @@ class RayKVPoolConnector(KVConnectorBase):
         blocks = self._block_arrays()
         try:
             for future, part in zip(load.futures, load.parts, strict=True):
-                blocks.copy_in(future.result(), part.segments, part.num_runs, False)
+                blocks.copy_in(future.result(), part.segments, part.num_runs, False, part.digests)
+        except ChecksumError as e:
+            self._counters["checksum_failures"] += 1
+            self._fail(load, str(e))
+            return False
         except (RayError, ValueError, TypeError, IndexError, RuntimeError) as e:
             self._fail(load, f"{type(e).__name__}: {e}")
             return False
@@ -278,7 +291,7 @@ class RayKVPoolConnector(KVConnectorBase):
     def _release(self, load: PoolLoad) -> None:
         """Drop every reference to the load's objects and unpin them in the pool."""
         load.futures, load.parts = [], []
-        self.pool.release.remote(load.lookup_id)
+        self.pool.release.remote(load.lookup_id, load.epoch)
 
     def get_failed_loads(self) -> set[str]:
         failed, self._failed = self._failed, set()
@@ -341,8 +354,11 @@ class RayKVPoolConnector(KVConnectorBase):
         """On the publisher thread: one put; the owner copies it, then this reference drops."""
         start_s = time.perf_counter()
         try:
+            digests = row_digests(arrays)
+            if faults.strike(faults.Fault.CORRUPT_KV):
+                arrays = [*arrays[:-1], faults.flipped(arrays[-1])]
             ref = ray.put(arrays)
-            entry = PoolPublish(self._layout, block_hashes, [ref], run_lengths, nbytes)
+            entry = PoolPublish(self._layout, block_hashes, [ref], run_lengths, nbytes, digests)
             self.pool.publish.remote(entry)
         except RayError as exc:  # a cache: the blocks are just not shared
             logger.warning("KV pool publish of %d blocks failed: %s", len(block_hashes), exc)

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import ray
 
+from pdcluster.connectors import faults
 from pdcluster.connectors.base import KVTransferParams
+from pdcluster.connectors.checksum import row_digests
 from pdcluster.connectors.ray_kv_layout import BlockArrays, Latency, RayKVHandle
 from pdcluster.engine.request import Request, RequestStatus
 
@@ -25,6 +27,7 @@ SEND_COUNTERS = (  # KVTransferStats fields
     "leases_expired",
     "acks_received",
     "acks_ignored",
+    "acks_refused",
     "sends_cancelled",
     "bytes_sent",
 )
@@ -39,7 +42,11 @@ class _PendingSend:
 
 class RayKVProducer:
     """One instance's published KV. `ack` and `cancel` are thread-safe: they come from the
-    actor's RPC threads while the step loop publishes and collects."""
+    actor's RPC threads while the step loop publishes and collects.
+
+    Each handle carries a checksum of every block (connectors/checksum.py) unless `checksum`
+    is off, and this incarnation's `epoch`: an ack naming another epoch (one meant for a
+    predecessor under the same name) is refused and counted, never applied."""
 
     def __init__(
         self,
@@ -47,8 +54,12 @@ class RayKVProducer:
         block_size: int,
         lease_s: float,
         block_arrays: Callable[[], BlockArrays],
+        epoch: str,
+        checksum: bool = True,
     ) -> None:
         self.engine_id = engine_id
+        self.epoch = epoch
+        self.checksum = checksum
         self.block_size = block_size
         self.lease_s = lease_s
         self._block_arrays = block_arrays  # the KV pool (raises until it is registered)
@@ -102,6 +113,9 @@ class RayKVProducer:
         blocks = self._block_arrays()
         start_s = time.perf_counter()
         arrays, run_lengths = blocks.runs(block_ids)
+        digests = row_digests(arrays) if self.checksum else None
+        if faults.strike(faults.Fault.CORRUPT_KV):
+            arrays = [*arrays[:-1], faults.flipped(arrays[-1])]
         ref = ray.put(arrays)
         nbytes = sum(a.nbytes for a in arrays)
         self.publish_ms.add((time.perf_counter() - start_s) * 1e3)
@@ -112,15 +126,32 @@ class RayKVProducer:
             self.counters["num_sends"] += 1
             self.counters["bytes_sent"] += nbytes
         return RayKVHandle(
-            ref, run_lengths, blocks.block_shape, blocks.dtype, nbytes, blocks.draft_layout
+            ref,
+            run_lengths,
+            blocks.block_shape,
+            blocks.dtype,
+            nbytes,
+            blocks.draft_layout,
+            digests,
+            self.epoch,
         )
 
-    def ack(self, request_id: str) -> None:
-        """The consumer has read `request_id`: the object is dropped now, the blocks are
-        released at the next collect_finished. Late (after the lease), duplicate and unknown
-        acks are counted and ignored."""
+    def ack(self, request_id: str, epoch: str) -> None:
+        """The consumer has read `request_id` as published by incarnation `epoch`: the object
+        is dropped now, the blocks are released at the next collect_finished. Late (after the
+        lease), duplicate and unknown acks are counted and ignored; an ack for another epoch
+        is refused."""
         with self._lock:
             self.counters["acks_received"] += 1
+            if epoch != self.epoch:
+                self.counters["acks_refused"] += 1
+                logger.warning(
+                    "request %r: ack for epoch %r refused (this is %r)",
+                    request_id,
+                    epoch,
+                    self.epoch,
+                )
+                return
             if self._sends.pop(request_id, None) is None:
                 self.counters["acks_ignored"] += 1
             else:

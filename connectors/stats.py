@@ -26,9 +26,11 @@ class KVTransferStats:
     num_sends: int = 0
     num_loads: int = 0
     num_failed_loads: int = 0
+    checksum_failures: int = 0  # loads whose bytes did not match the producer's checksums
     leases_expired: int = 0
     acks_received: int = 0
     acks_ignored: int = 0
+    acks_refused: int = 0  # naming another incarnation (epoch) of this instance
     sends_cancelled: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -48,6 +50,7 @@ class KVPoolUse:
     hit_tokens: int = 0  # tokens loaded from the pool instead of computed
     loads: int = 0
     failed_loads: int = 0
+    checksum_failures: int = 0  # failed loads whose bytes did not match their checksums
     publishes: int = 0
     bytes_published: int = 0
     bytes_loaded: int = 0
@@ -65,6 +68,7 @@ class ECStats:
     loaded: int = 0  # encoder outputs loaded from an E
     fallbacks: int = 0  # encoded here instead
     bytes_loaded: int = 0
+    checksum_failures: int = 0  # fallbacks whose outputs did not match their checksums
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pdcluster.connectors.multi import MultiKVConnector
 from pdcluster.connectors.ray_ec import RayECConnector
 from pdcluster.connectors.ray_kv import RayKVConnector
 from pdcluster.connectors.ray_kv_pool import RayKVPoolConnector
-from pdcluster.connectors.stats import KVConnectorStats, KVPoolUse
+from pdcluster.connectors.stats import KVConnectorStats, KVPoolUse, KVTransferStats
 from pdcluster.engine import LLM, SamplingParams
 
 SIM_ENGINE = {"block_size": 4, "num_blocks": 64, "max_model_len": 128}
@@ -109,11 +109,16 @@ def test_idle_means_nothing_held():
 def test_cluster_view_of_an_instance():
     sched = SchedulerStats(num_blocks_total=8, num_blocks_free=6, num_running=1,
                            num_pending_sends=2, num_pending_recvs=1)  # fmt: skip
-    stats = InstanceStats("P0", "prefill", num_pulls=5, num_streams=1, scheduler=sched)
+    stats = InstanceStats("P0", "prefill", num_pulls=5, num_streams=1, scheduler=sched,
+                          epoch="e1", kv_transfer=KVTransferStats(checksum_failures=2),
+                          kv_pool=KVPoolUse(checksum_failures=1))  # fmt: skip
     assert _instance_view(stats) == {
         "id": "P0", "role": "prefill", "healthy": True, "reachable": True,
         "num_blocks_total": 8, "num_blocks_free": 6, "num_running": 1, "num_waiting": 0,
         "num_deferred": 0, "num_pending_transfers": 3, "num_pulls": 5, "num_streams": 1,
+        "epoch": "e1", "transfer_checks": {
+            "kv_checksum_failures": 3, "ec_checksum_failures": 0, "kv_acks_refused": 0,
+        },
     }  # fmt: skip
     gone = _instance_view(InstanceStats.unreachable("D0", "decode"))
     assert (gone["healthy"], gone["reachable"], gone["num_blocks_total"]) == (False, False, 0)

@@ -1,4 +1,5 @@
-"""RayECConnector consumer side on a real local Ray: deferral, wake-up and fallback."""
+"""RayECConnector consumer side on a real local Ray: deferral, wake-up, fallback, and
+outputs checked against their checksums."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from pdcluster.connectors.ray_ec import RayECConnector
+from pdcluster.connectors.checksum import digest
+from pdcluster.connectors.faults import flipped
+from pdcluster.connectors.ray_ec import EncoderOutput, RayECConnector
 from pdcluster.engine.request import MultiModalFeature, Request
 from pdcluster.engine.sampling_params import SamplingParams
 
@@ -16,11 +19,17 @@ from pdcluster.engine.sampling_params import SamplingParams
 @pytest.fixture(scope="module")
 def encode_task(ray_session):
     @ray_session.remote(num_cpus=0)
-    def encode(hashes: list[str], gate: object, fail: bool) -> dict[str, np.ndarray]:
+    def encode(hashes: list[str], gate: object, fail: str) -> dict[str, EncoderOutput]:
+        """As E's encode: each output with its checksum; `fail`: "raise", or "corrupt" (a
+        bit of the last output flipped after it was hashed)."""
         ray_session.get(gate.wait.remote())
-        if fail:
+        if fail == "raise":
             raise RuntimeError("encoder failed")
-        return {h: np.full((4, 8), i, np.float32) for i, h in enumerate(hashes)}
+        arrays = [np.full((4, 8), i, np.float32) for i in range(len(hashes))]
+        outputs = {h: EncoderOutput(a, digest(a)) for h, a in zip(hashes, arrays, strict=True)}
+        if fail == "corrupt":
+            outputs[hashes[-1]] = EncoderOutput(flipped(arrays[-1]), digest(arrays[-1]))
+        return outputs
 
     return encode
 
@@ -45,7 +54,7 @@ def gate(ray_session):
     ray_session.kill(handle)
 
 
-def deferred(encode_task, gate, mm_hash: str, fail: bool):
+def deferred(encode_task, gate, mm_hash: str, fail: str = ""):
     """A consumer connector, a request with one image, and its in-flight encode call."""
     woken = threading.Event()
     ec = RayECConnector("consumer", timeout_s=60, wake=woken.set)
@@ -58,7 +67,7 @@ def deferred(encode_task, gate, mm_hash: str, fail: bool):
 def test_deferred_until_the_outputs_land_and_their_arrival_wakes_the_instance(
     ray_session, encode_task, gate
 ):
-    ec, request, woken = deferred(encode_task, gate, "img-a", fail=False)
+    ec, request, woken = deferred(encode_task, gate, "img-a")
     assert not ec.ensure_cache_available(request, 0) and ec.awaits_outputs("img-a")
     assert not woken.wait(0.2)  # nothing landed: the instance may sleep
     ray_session.get(gate.open.remote())
@@ -68,11 +77,13 @@ def test_deferred_until_the_outputs_land_and_their_arrival_wakes_the_instance(
     assert ec.stats().pending == 0 and ec.stats().fallbacks == 0
 
 
-def test_a_failed_encoder_call_wakes_and_falls_back_to_local_encoding(
-    ray_session, encode_task, gate
+@pytest.mark.parametrize("fail", ["raise", "corrupt"])
+def test_a_failed_or_corrupt_encoder_output_falls_back_to_local_encoding(
+    ray_session, encode_task, gate, fail
 ):
-    ec, request, woken = deferred(encode_task, gate, "img-b", fail=True)
+    ec, request, woken = deferred(encode_task, gate, f"img-{fail}", fail)
     ray_session.get(gate.open.remote())
     assert woken.wait(30)
     assert ec.ensure_cache_available(request, 0)  # proceeds, encoding locally
-    assert not ec.has_cache_item("img-b") and ec.stats().fallbacks == 1
+    assert not ec.has_cache_item(f"img-{fail}") and ec.stats().fallbacks == 1
+    assert ec.stats().checksum_failures == (fail == "corrupt")

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from pdcluster.connectors import faults
 from pdcluster.connectors.base import KVHandle, KVTransferParams
 from pdcluster.connectors.ray_kv import RayKVConnector
 from pdcluster.connectors.ray_kv_layout import RayKVHandle, consecutive_runs, plan_segments
@@ -48,12 +49,14 @@ class AckLog:
 
     def __init__(self, producers: dict[str, RayKVConnector] | None = None) -> None:
         self.acks: list[tuple[str, str]] = []
+        self.epochs: list[str] = []
         self.producers = producers or {}
 
-    def __call__(self, remote_engine_id: str, remote_request_id: str) -> None:
+    def __call__(self, remote_engine_id: str, remote_request_id: str, epoch: str) -> None:
         self.acks.append((remote_engine_id, remote_request_id))
+        self.epochs.append(epoch)
         if remote_engine_id in self.producers:
-            self.producers[remote_engine_id].ack(remote_request_id)
+            self.producers[remote_engine_id].ack(remote_request_id, epoch)
 
 
 def make_producer(num_blocks: int = 16, seed: int = 0, **kwargs) -> RayKVConnector:
@@ -228,12 +231,12 @@ def test_duplicate_and_unknown_acks_are_ignored(ray):
     _, params = producer.request_finished(finished_prefill("p1", 5), [0, 1])
     object_id = params.handle.ref.hex()
     del params
-    acker = threading.Thread(target=lambda: [producer.ack("p1") for _ in range(2)])
+    acker = threading.Thread(target=lambda: [producer.ack("p1", producer.epoch) for _ in range(2)])
     acker.start()  # acks arrive on the actor's RPC thread
     acker.join()
-    producer.ack("never-sent")
+    producer.ack("never-sent", producer.epoch)
     assert drain_sends(producer) == ["p1"]
-    producer.ack("p1")
+    producer.ack("p1", producer.epoch)
     assert drain_sends(producer) == []
     stats = producer.stats()
     assert stats.kv_transfer.acks_ignored == 3 and stats.kv_transfer.acks_received == 4
@@ -249,7 +252,7 @@ def test_lease_expiry_without_ack_then_late_ack_ignored(ray):
     time.sleep(0.1)
     assert drain_sends(producer) == ["p1"]
     assert producer.stats().kv_transfer.leases_expired == 1
-    producer.ack("p1")  # the consumer read it after all
+    producer.ack("p1", producer.epoch)  # the consumer read it after all
     assert producer.stats().kv_transfer.acks_ignored == 1  # counted even while the step loop idles
     assert drain_sends(producer) == []
     assert producer.stats().kv_transfer.acks_ignored == 1
@@ -267,11 +270,11 @@ def test_cancel_sends_reports_once_and_frees(ray):
     assert wait_until(lambda: not our_objects_in_store([object_id]))
     assert producer.stats().num_pending_sends == 1  # "b" still awaits its ack
     assert drain_sends(producer) == ["a"]
-    producer.ack("a")  # a consumer that read before the cancel: ignored
+    producer.ack("a", producer.epoch)  # a consumer that read before the cancel: ignored
     assert drain_sends(producer) == []
     assert params_b.handle.ref.hex() in our_objects_in_store()
     assert producer.has_pending() and not producer.needs_polling()  # "b" awaits its ack
-    producer.ack("b")
+    producer.ack("b", producer.epoch)
     assert producer.has_pending()  # released, not yet reported: the step loop must poll
     assert producer.needs_polling()
     assert drain_sends(producer) == ["b"] and not producer.has_pending()
@@ -409,3 +412,58 @@ def test_consecutive_runs_andsegments():
     assert consecutive_runs([]) == []
     # Source blocks 1..4 of runs [2, 3] onto destination blocks 10, 11, 12, 5.
     assert plan_segments((2, 3), 1, [10, 11, 12, 5]) == [(0, 1, 10, 1), (1, 0, 11, 2), (1, 2, 5, 1)]
+
+
+# ---- checked bytes, fenced epochs ------------------------------------------------------------
+@pytest.fixture
+def fault_injection(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "1")
+    yield faults
+    faults.disarm_all()
+
+
+def test_fault_injection_is_refused_unless_the_process_enables_it(monkeypatch):
+    monkeypatch.delenv(faults.ENV, raising=False)
+    with pytest.raises(PermissionError, match=faults.ENV):
+        faults.arm(faults.FaultSpec(faults.Fault.CORRUPT_KV))
+    assert faults.strike(faults.Fault.CORRUPT_KV) is None
+
+
+@pytest.mark.parametrize("num_computed", [0, 2 * BLOCK_SIZE])
+def test_a_corrupt_object_fails_closed_and_is_recomputed_whatever_the_policy(
+    ray, fault_injection, num_computed
+):
+    """One bit flipped in the object after P hashed it: D's load fails (acked, so that P
+    frees at once), it counts, and the request is recomputed even under policy 'fail'."""
+    producer = make_producer()
+    ack_log = AckLog({"prefill-0": producer})
+    consumer = make_consumer(ack_log)
+    fault_injection.arm(faults.FaultSpec(faults.Fault.CORRUPT_KV))
+    num_prompt = 4 * BLOCK_SIZE
+    _, params = producer.request_finished(finished_prefill("p1", num_prompt), [7, 8, 2, 3])
+    assert len(params.handle.digests) == 4 and params.handle.epoch == producer.epoch
+    request = make_request("d1", num_prompt + 1, params)
+    outcome, _, failed = load(consumer, request, [5, 1, 2, 9], num_computed)
+    assert outcome == "failed" and failed == {"d1"}
+    assert consumer.load_failure_recomputes(request)
+    assert consumer.stats().kv_transfer.checksum_failures == 1
+    assert ack_log.acks == [("prefill-0", "p1")] and drain_sends(producer) == ["p1"]
+    # The next publish is not corrupt, and lands.
+    _, params = producer.request_finished(finished_prefill("p2", num_prompt), [7, 8, 2, 3])
+    assert load(consumer, make_request("d2", num_prompt + 1, params), [5, 1, 2, 9])[0] == "landed"
+
+
+def test_an_ack_for_another_epoch_is_refused(ray):
+    """A restarted producer keeps its name but not its epoch: an ack meant for its
+    predecessor's handle (the same request id) never frees the successor's blocks."""
+    predecessor = make_producer()
+    _, old = predecessor.request_finished(finished_prefill("p1", 5), [0, 1])
+    successor = make_producer()
+    assert successor.epoch != predecessor.epoch
+    _, params = successor.request_finished(finished_prefill("p1", 5), [0, 1])
+    successor.ack("p1", old.handle.epoch)
+    assert drain_sends(successor) == [] and successor.stats().num_pending_sends == 1
+    assert successor.stats().kv_transfer.acks_refused == 1
+    successor.ack("p1", params.handle.epoch)
+    assert drain_sends(successor) == ["p1"]
+    predecessor.shutdown()

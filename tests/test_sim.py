@@ -269,7 +269,7 @@ def test_a_modeled_transfer_delays_the_load_until_its_modeled_time(ray_session):
     assert consumer.get_finished(set()) == (set(), set()) and not acks
     clock.now += 0.0002
     assert consumer.get_finished(set()) == (set(), {"r1"})
-    assert acks == [("p0", "p-r1")] and pool[3:5].all() and not pool[:3].any()
+    assert acks == [("p0", "p-r1", "")] and pool[3:5].all() and not pool[:3].any()
 
 
 def until_done(load: RayKVLoad) -> bool:

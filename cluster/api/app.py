@@ -242,6 +242,12 @@ def _instance_view(s: InstanceStats) -> dict[str, Any]:
         "num_pending_transfers": s.num_pending_transfers,
         "num_pulls": s.num_pulls,
         "num_streams": s.num_streams,
+        "epoch": s.epoch,
+        "transfer_checks": {  # what the checked handoff refused (DESIGN.md, "Data plane")
+            "kv_checksum_failures": s.kv_transfer.checksum_failures + s.kv_pool.checksum_failures,
+            "ec_checksum_failures": s.ec.checksum_failures,
+            "kv_acks_refused": s.kv_transfer.acks_refused,
+        },
     }
     if s.sim is not None:  # a simulated engine's
         view |= {

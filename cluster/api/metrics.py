@@ -80,6 +80,19 @@ _COUNTERS: dict[str, tuple[str, Callable[[InstanceStats], float]]] = {
         lambda s: s.kv_transfer.leases_expired,
     ),
     "pdcluster_kv_transfers": ("KV loads completed", lambda s: s.kv_transfer.num_loads),
+    "pdcluster_kv_checksum_failures": (
+        "KV loads (P->D handoffs and cluster KV pool loads) whose bytes did not match their "
+        "producer's checksums (recomputed, never served)",
+        lambda s: s.kv_transfer.checksum_failures + s.kv_pool.checksum_failures,
+    ),
+    "pdcluster_ec_checksum_failures": (
+        "Encoder outputs whose bytes did not match their checksums (encoded here instead)",
+        lambda s: s.ec.checksum_failures,
+    ),
+    "pdcluster_kv_acks_refused": (
+        "KV acks naming another incarnation (epoch) of this instance, refused",
+        lambda s: s.kv_transfer.acks_refused,
+    ),
     "pdcluster_spec_decode_num_catch_up_tokens": (
         "Known tokens a draft model was fed before drafting (a prompt whose draft KV did not "
         "come with its handoff, a request after a preemption, a fully accepted step's last)",
@@ -124,6 +137,10 @@ _KV_POOL: dict[str, tuple[type, str, Callable[[KVPoolStats], float]]] = {
     "pdcluster_kv_pool_evictions": (
         CounterMetricFamily, "Entries evicted from the cluster KV pool",
         lambda p: p.num_evictions,
+    ),
+    "pdcluster_kv_pool_refused_releases": (
+        CounterMetricFamily, "Releases naming another incarnation (epoch) of the KV pool",
+        lambda p: p.num_refused_releases,
     ),
 }  # fmt: skip
 _LABELS = ["instance", "role"]
