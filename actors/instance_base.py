@@ -37,6 +37,8 @@ from pdcluster.actors.stage_clock import StageClock
 from pdcluster.actors.step_commands import WAKE, AbortRequests, AddRequest, StepCommand, Wake
 from pdcluster.actors.streams import PULL_WAIT_S, Outboxes, reap_orphans
 from pdcluster.actors.tp_worker import exit_instance
+from pdcluster.connectors import faults
+from pdcluster.connectors.faults import FaultSpec
 from pdcluster.engine.config import EngineConfig
 from pdcluster.engine.core import EngineCore
 from pdcluster.engine.encoder_core import EncoderCore
@@ -180,6 +182,14 @@ class InstanceBase:
     async def stats(self) -> InstanceStats:
         num_streams = len(self._streams) + self._num_calls()
         return dataclasses.replace(self._stats, num_streams=num_streams, num_pulls=self._num_pulls)
+
+    async def inject_fault(self, spec: FaultSpec | None) -> None:
+        """Test-only (the fault-injection suite): arm a fault in this process, or disarm
+        every one (None). PermissionError unless the process enables fault injection."""
+        if spec is None:
+            faults.disarm_all()
+        else:
+            faults.arm(spec)
 
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stopping

@@ -19,8 +19,9 @@ ENV = "PDCLUSTER_FAULT_INJECTION"
 
 class Fault(enum.StrEnum):
     CORRUPT_KV = "corrupt_kv"  # P: a byte of the next KV object's last block flipped, once hashed
+    CORRUPT_POOL_ENTRY = "corrupt_pool_entry"  # the same for a KV pool publish
     CORRUPT_ENCODER_OUTPUT = "corrupt_encoder_output"  # E: the same for an encoder output
-    DELAY_LOAD = "delay_load"  # D: a fetched KV object lands `seconds` late
+    DELAY_LOAD = "delay_load"  # D (P2D) or any (pool): a fetched KV object lands `seconds` late
     DELAY_ACK = "delay_ack"  # D: an ack leaves `seconds` after the load landed
 
 

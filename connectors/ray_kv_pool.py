@@ -92,6 +92,7 @@ class PoolLoad:
     parts: list[PoolPart]
     nbytes: int
     started_s: float = 0.0
+    ready_s: float = 0.0  # not landed before (a DELAY_LOAD fault)
     futures: list[Any] = field(default_factory=list)
 
 
@@ -165,11 +166,12 @@ class RayKVPoolConnector(KVConnectorBase):
         return self._matched(rid, first)
 
     def _take_answer(self, rid: str, answer: concurrent.futures.Future, first: int) -> None:
-        try:
-            hit = answer.result()
-        except RayError as exc:
-            logger.warning("request %r: KV pool lookup failed: %s", rid, exc)
-            hit = PoolHit(0)
+        # exception() rather than result() in a try: a raise here would tie the answer and
+        # this frame (and, up the stack, a step's outputs) in a cycle only the GC frees.
+        error = answer.exception()
+        if error is not None:
+            logger.warning("request %r: KV pool lookup failed: %s", rid, error)
+        hit = PoolHit(0) if error is not None else answer.result()
         self._hits[rid] = _Hit(hit, first)  # a miss too: the request is not asked about again
         self._counters["hits" if hit.num_blocks else "misses"] += 1
 
@@ -239,7 +241,9 @@ class RayKVPoolConnector(KVConnectorBase):
         local = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)[0])
         local_futures = []
         for load in metadata:
-            load.started_s = self._clock()
+            load.started_s = load.ready_s = self._clock()
+            if delay := faults.strike(faults.Fault.DELAY_LOAD):
+                load.ready_s += delay.seconds
             load.futures = [part.ref.future() for part in load.parts]
             local_futures += [f for p, f in zip(load.parts, load.futures) if p.ref in local]
             self._inflight[load.request_id] = load
@@ -252,7 +256,7 @@ class RayKVPoolConnector(KVConnectorBase):
         landed: set[str] = set()
         now = self._clock()
         for rid, load in list(self._inflight.items()):
-            if all(f.done() for f in load.futures):
+            if now >= load.ready_s and all(f.done() for f in load.futures):
                 del self._inflight[rid]
                 if self._land(load):
                     landed.add(rid)
@@ -264,8 +268,9 @@ class RayKVPoolConnector(KVConnectorBase):
     def _land(self, load: PoolLoad) -> bool:
         blocks = self._block_arrays()
         try:
-            for future, part in zip(load.futures, load.parts, strict=True):
-                blocks.copy_in(future.result(), part.segments, part.num_runs, False, part.digests)
+            for i, part in enumerate(load.parts):  # no local future: see _take_answer
+                arrays = load.futures[i].result()
+                blocks.copy_in(arrays, part.segments, part.num_runs, False, part.digests)
         except ChecksumError as e:
             self._counters["checksum_failures"] += 1
             self._fail(load, str(e))
@@ -355,7 +360,7 @@ class RayKVPoolConnector(KVConnectorBase):
         start_s = time.perf_counter()
         try:
             digests = row_digests(arrays)
-            if faults.strike(faults.Fault.CORRUPT_KV):
+            if faults.strike(faults.Fault.CORRUPT_POOL_ENTRY):
                 arrays = [*arrays[:-1], faults.flipped(arrays[-1])]
             ref = ray.put(arrays)
             entry = PoolPublish(self._layout, block_hashes, [ref], run_lengths, nbytes, digests)

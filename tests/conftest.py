@@ -9,6 +9,9 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only local clusters in tests
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# The session's Ray workers inherit it: instances accept the fault-injection suite's faults
+# (connectors/faults.py; a test arms them, and nothing else does).
+os.environ.setdefault("PDCLUSTER_FAULT_INJECTION", "1")
 
 
 @pytest.fixture(scope="session")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import ray
 
 from pdcluster.actors.kv_pool import KVPoolActor
 from pdcluster.actors.pool_messages import KVPoolStats
+from pdcluster.connectors import faults
 from pdcluster.connectors.kv_pool_index import KVPoolIndex, PoolPublish
 from pdcluster.connectors.ray_kv_pool import RayKVPoolConnector
 from pdcluster.connectors.stats import KVPoolUse
@@ -191,6 +193,44 @@ def test_a_prefix_computed_on_one_instance_is_loaded_on_another(preset_dir, make
     assert again.num_cached_tokens >= 40 and pool_use(second).hits == 1
     for llm in (first, second):
         assert_all_free(llm)
+    assert pool_stats(pool).num_pinned_entries == 0
+
+
+def test_a_corrupt_pool_entry_is_recomputed_and_counted(
+    preset_dir, make_pool, reference, monkeypatch
+):
+    """A bit flipped in a published entry after it was hashed: the reader's load fails its
+    checksum and the request is recomputed, even under policy 'fail' (a cache never fails a
+    request)."""
+    monkeypatch.setenv(faults.ENV, "1")
+    path, pool = preset_dir("tiny-llama"), make_pool()
+    faults.arm(faults.FaultSpec(faults.Fault.CORRUPT_POOL_ENTRY))
+    try:
+        run(pooled_llm(path, pool), PROMPT)
+    finally:
+        faults.disarm_all()
+    assert wait_until(lambda: pool_stats(pool).num_entries == 1)
+    reader = pooled_llm(path, pool, kv_load_failure_policy="fail")
+    out = run(reader, [*PROMPT, 1])
+    assert out.outputs[0].token_ids == reference([*PROMPT, 1])
+    use = pool_use(reader)
+    assert (use.hits, use.failed_loads, use.checksum_failures, use.loads) == (1, 1, 1, 0)
+    assert_all_free(reader)
+    assert pool_stats(pool).num_pinned_entries == 0
+
+
+def test_a_release_for_another_incarnation_of_the_pool_is_refused(make_pool):
+    """Lookup ids start again in a restarted pool: a reader's release of a pin from the
+    previous incarnation must not unpin another reader's entry."""
+    pool = make_pool()
+    entry = PoolPublish("layout", (1, 2), [ray.put([np.zeros((2, 4), np.float32)])], (2,), 64)
+    assert ray.get(pool.publish.remote(entry))
+    hit = ray.get(pool.lookup.remote("layout", [1, 2]))
+    assert hit.num_blocks == 2 and hit.epoch
+    ray.get(pool.release.remote(hit.lookup_id, "another-incarnation"))
+    stats = pool_stats(pool)
+    assert (stats.num_pinned_entries, stats.num_refused_releases) == (1, 1)
+    ray.get(pool.release.remote(hit.lookup_id, hit.epoch))
     assert pool_stats(pool).num_pinned_entries == 0
 
 
