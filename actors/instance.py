@@ -11,6 +11,7 @@ to the gateway replicas' routers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -105,12 +106,27 @@ class InstanceActor(InstanceBase):
             out = EngineCoreOutput(rid, [], finish_reason="error", error=str(exc))
             self._streams.reject(route.consumer_id, out)
             return
+        await self._find_peers(request, route)
         if route.ec_handle is None and request.kv_transfer_params is None:
             await prefetch(request.mm_features)  # this instance encodes its images
         if route.decode_id is not None:
             self._handoffs[rid] = (request, route.decode_id)
             request = for_prefill(request)
         self._inbox.put(AddRequest(request, received_s, route.ec_handle))
+
+    async def _find_peers(self, request: Request, route: Route) -> None:
+        """Look up by name, off the step thread, the actors this request's step-thread work
+        calls: a P's D (the handoff) and a D's P (the ack). A lookup asks Ray's GCS and waits
+        while the GCS is down; made here, it holds back only a request to a peer this
+        instance never reached, never the streams it runs. A peer that is gone is no error
+        here: the handoff and the ack report it."""
+        if route.decode_id is not None and route.decode_id not in self._decode_handles:
+            with contextlib.suppress(ValueError):
+                await asyncio.to_thread(self._decode_handle, route.decode_id)
+        params = request.kv_transfer_params
+        kv = handoff_connector(self.core)
+        if kv is not None and params is not None and params.do_remote_prefill:
+            await asyncio.to_thread(kv.find_producer, params.remote_engine_id)
 
     async def load_lora(self, lora: LoRARequest) -> str | None:
         """Load a LoRA adapter for requests to come (off the step thread: it reads files);

@@ -47,6 +47,7 @@ class PoolClient:
         self.pool = pool
         self.actor = actor
         self._kv_pool: ActorHandle | None = None  # found once: it restarts under one handle
+        self._kv_pool_lookup: asyncio.Future | None = None  # the lookup under way, if any
 
     # ---- starting, finding and ending a pool -------------------------------------------
     @classmethod
@@ -140,7 +141,7 @@ class PoolClient:
     ) -> KVEvents | None:
         """The cluster KV pool's events after (epoch, cursor), waiting up to `wait_s` for
         one; None when it does not answer."""
-        kv_pool = self._kv_pool_actor()  # a blocking lookup only until it is found
+        kv_pool = await self._kv_pool_actor_async()
         if kv_pool is None:
             return None
         call = kv_pool.events.remote(epoch, cursor, wait_s)
@@ -152,13 +153,26 @@ class PoolClient:
     async def kv_pool_stats(self, timeout_s: float) -> KVPoolStats | None:
         """The cluster KV pool's stats; None when the pool is off or does not answer within
         `timeout_s`."""
-        kv_pool = self._kv_pool_actor()
+        try:
+            kv_pool = await asyncio.wait_for(self._kv_pool_actor_async(), timeout_s)
+        except asyncio.TimeoutError:  # the GCS does not answer (the lookup goes on)
+            return None
         if kv_pool is None:
             return None
         try:
             return await asyncio.wait_for(kv_pool.stats.remote(), timeout_s)
         except (ray.exceptions.RayError, asyncio.TimeoutError):
             return None
+
+    async def _kv_pool_actor_async(self) -> ActorHandle | None:
+        """`_kv_pool_actor` off the event loop when it must look up: a lookup is a call to
+        Ray's GCS, which blocks while the GCS is down (every stream of the replica would
+        stop with its loop). One lookup at a time; the others wait for its answer."""
+        if self._kv_pool is not None:
+            return self._kv_pool
+        if self._kv_pool_lookup is None or self._kv_pool_lookup.done():
+            self._kv_pool_lookup = asyncio.ensure_future(asyncio.to_thread(self._kv_pool_actor))
+        return await asyncio.shield(self._kv_pool_lookup)
 
     def _kv_pool_actor(self) -> ActorHandle | None:
         """The KV pool's actor, looked up until found (a lookup is a call to Ray's GCS);

@@ -17,6 +17,11 @@ from ray.actor import ActorHandle
 logger = logging.getLogger(__name__)
 
 TASK_EVENTS_FLUSH_MS = 100
+# How long this process (and an embedded cluster's raylet) waits for a GCS that went away
+# before it exits; Ray's default is 60 s. A GCS backed by Redis comes back (KubeRay restarts
+# the head) and the gateway serves from the live instances meanwhile: docs/deployment.md.
+GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+GCS_RECONNECT_TIMEOUT_S = 600
 
 
 def ray_is_up() -> bool:
@@ -47,6 +52,7 @@ def init_ray(
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault(GCS_RECONNECT_ENV, str(GCS_RECONNECT_TIMEOUT_S))
     kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": True}
     address = address or address_from_env()
     if not address:

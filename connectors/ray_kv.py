@@ -20,6 +20,7 @@ fail the load with a `KVLoadError`, which is logged and reported through `get_fa
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -75,11 +76,18 @@ class _ActorAckSender:
         self._actors: dict[str, ray.actor.ActorHandle] = {}
 
     def __call__(self, remote_engine_id: str, remote_request_id: str, epoch: str) -> None:
+        self.find(remote_engine_id).ack_kv.remote(remote_request_id, epoch)  # fire and forget
+
+    def knows(self, remote_engine_id: str) -> bool:
+        return remote_engine_id in self._actors
+
+    def find(self, remote_engine_id: str) -> ray.actor.ActorHandle:
+        """The producer's actor, looked up once (a call to Ray's GCS: blocks while the GCS
+        is down, so the instance makes it off its step thread, when a request arrives)."""
         actor = self._actors.get(remote_engine_id)
         if actor is None:
-            actor = ray.get_actor(remote_engine_id)
-            self._actors[remote_engine_id] = actor
-        actor.ack_kv.remote(remote_request_id, epoch)  # fire and forget
+            actor = self._actors[remote_engine_id] = ray.get_actor(remote_engine_id)
+        return actor
 
 
 class RayKVConnector(KVConnectorBase):
@@ -338,6 +346,15 @@ class RayKVConnector(KVConnectorBase):
             self._draft_loaded[load.request_id] = load.num_draft_tokens
         self._ack(load.request_id, load, load.remote_epoch)
         return True
+
+    def find_producer(self, engine_id: str) -> None:
+        """Look up the producer this instance will ack, unless known (blocking while Ray's GCS
+        is down: the instance calls this off its step thread, as a request arrives, so that
+        the ack never waits on the GCS). One that is gone is no error here: its ack fails."""
+        sender = self._ack_sender
+        if isinstance(sender, _ActorAckSender) and not sender.knows(engine_id):
+            with contextlib.suppress(ValueError):
+                sender.find(engine_id)
 
     def _ack(self, request_id: str, source: RayKVLoad | KVTransferParams, epoch: str) -> None:
         """Tell the producer its object was read (at once, or late under a DELAY_ACK fault)."""

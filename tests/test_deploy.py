@@ -260,6 +260,18 @@ def test_head_runs_no_actors_and_stays_private(doc: dict) -> None:
     assert not any("nvidia.com/gpu" in c["resources"].get("limits", {}) for c in containers(head))
 
 
+def test_the_head_can_die_gcs_fault_tolerance_on_redis(doc: dict) -> None:
+    """The GCS keeps its state in Redis, and every pod's Ray waits for a restarting GCS
+    longer than Ray's 60 s default (docs/deployment.md, "GCS fault tolerance")."""
+    spec = cluster_spec(doc)
+    options = spec["gcsFaultToleranceOptions"]
+    assert options["redisAddress"] and options["redisPassword"]["valueFrom"]["secretKeyRef"]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for container in (c for group in groups for c in containers(group)):
+        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        assert int(env["RAY_gcs_rpc_server_reconnect_timeout_s"]) >= 300, container["name"]
+
+
 def test_worker_groups_pin_the_config_roles(doc: dict, config: ClusterConfig) -> None:
     groups = {g["groupName"]: g for g in cluster_spec(doc)["workerGroupSpecs"]}
     declared = {
