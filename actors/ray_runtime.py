@@ -6,6 +6,7 @@ the Python API's `launch` and the benchmarks all start or join Ray through it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -100,6 +101,25 @@ def _enable_token_auth_if_token_available() -> bool:
     except ImportError:  # a Ray without token authentication
         return False
     return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+class GcsProbe:
+    """Whether Ray's GCS answers this process, asked off the event loop, one question at a
+    time: a question to a GCS that is down waits (Ray retries it until the GCS is back or the
+    reconnect timeout ends), so a slow answer reads as "unreachable" and the next asks again
+    only once the pending one returned."""
+
+    def __init__(self) -> None:
+        self._asking: asyncio.Future | None = None
+
+    async def reachable(self, timeout_s: float) -> bool:
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(asyncio.to_thread(ray.util.list_named_actors))
+        try:
+            await asyncio.wait_for(asyncio.shield(self._asking), timeout_s)
+        except (asyncio.TimeoutError, ray.exceptions.RayError, ConnectionError):
+            return False
+        return True
 
 
 def shutdown_ray() -> None:

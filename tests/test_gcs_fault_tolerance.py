@@ -191,6 +191,16 @@ async def complete(client: httpx.AsyncClient, head: Head, i: int) -> int:
     return response.json()["usage"]["completion_tokens"]
 
 
+async def until_reachable(client: httpx.AsyncClient, head: Head, timeout_s: float = 60) -> bool:
+    """Until /v1/cluster says the GCS answers again."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (await client.get(f"{head.url}/v1/cluster")).json()["gcs"]["reachable"]:
+            return True
+        await asyncio.sleep(0.5)
+    return False
+
+
 def test_streams_and_new_requests_survive_the_gcs_and_scaling_works_after_it(head):
     async def scenario() -> dict:
         limits = httpx.Limits(max_connections=100)
@@ -204,19 +214,25 @@ def test_streams_and_new_requests_survive_the_gcs_and_scaling_works_after_it(hea
             argv, env, cwd = head.kill_gcs()
             running = sum(not s.done() for s in streams)
             during = await asyncio.gather(*(complete(client, head, i) for i in range(8)))
+            view_down = (await client.get(f"{head.url}/v1/cluster")).json()
             await asyncio.sleep(max(0.0, OUTAGE_S - 1))
             head.spawn(argv, "gcs_restart.log", env=env, cwd=cwd)
             ends = await asyncio.gather(*streams)
+            gcs_back = await until_reachable(client, head)
             after = await asyncio.gather(*(complete(client, head, 8 + i) for i in range(8)))
             scaled = await client.post(
                 f"{head.url}/v1/admin/scale", json={"role": "decode", "count": 2}, timeout=240
             )
-            return dict(running=running, ends=ends, during=during, after=after, scaled=scaled)
+            return dict(running=running, ends=ends, during=during, after=after, scaled=scaled,
+                        view_down=view_down, gcs_back=gcs_back)  # fmt: skip
 
     result = asyncio.run(scenario())
     assert result["running"] == NUM_STREAMS, "streams ended before the GCS was killed"
     assert result["ends"] == [MAX_TOKENS] * NUM_STREAMS, (result["ends"], head.log("serve.log"))
     assert result["during"] == [8] * 8  # served while the GCS was down
+    assert result["view_down"]["gcs"] == {"reachable": False}
+    assert all(i["healthy"] for i in result["view_down"]["instances"])
+    assert result["gcs_back"]
     assert result["after"] == [8] * 8
     assert result["scaled"].status_code == 200, result["scaled"].text
     assert result["scaled"].json()["count"] == 2

@@ -3,6 +3,7 @@ the gateway's views and metrics read it. No Ray cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 from typing import Any
@@ -175,3 +176,32 @@ def test_wait_idle_returns_once_every_healthy_instance_holds_nothing():
     cluster.stats = lambda: next(snapshots)  # type: ignore[method-assign]
     (idle,) = Cluster.wait_idle(cluster, timeout_s=5)
     assert idle.is_idle()
+
+
+def test_the_gcs_probe_reads_a_gcs_that_does_not_answer_as_unreachable(monkeypatch):
+    """A question to a GCS that is down waits: the probe answers "unreachable" after its
+    timeout, asks nothing more while that question is pending, and "reachable" once it is
+    answered."""
+    import threading
+
+    import ray
+
+    from pdcluster.actors.ray_runtime import GcsProbe
+
+    answer, calls = threading.Event(), []
+
+    def list_named_actors() -> list:
+        calls.append(1)
+        answer.wait(30)
+        return []
+
+    monkeypatch.setattr(ray.util, "list_named_actors", list_named_actors)
+
+    async def scenario() -> list[bool]:
+        probe = GcsProbe()
+        down = [await probe.reachable(0.05), await probe.reachable(0.05)]
+        answer.set()
+        return [*down, await probe.reachable(5.0)]
+
+    assert asyncio.run(scenario()) == [False, False, True]
+    assert len(calls) == 1  # the second probe waited on the first question

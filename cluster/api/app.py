@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdcluster import __version__
 from pdcluster.actors.messages import InstanceStats
+from pdcluster.actors.ray_runtime import GcsProbe
 from pdcluster.cluster.api.admin_protocol import (
     LoadLoRAAdapterRequest,
     ScaleRequest,
@@ -51,6 +52,7 @@ def create_app(
 ) -> FastAPI:
     app = FastAPI(title="pdcluster", version="0.1.0")
     metrics = GatewayMetrics(model_name, max_model_len)
+    gcs = GcsProbe()
     serving = Serving(cluster, settings, model_name, max_model_len, metrics)
     completions, chat = Completions(serving), Chat(serving)
     responses = Responses(chat)
@@ -152,6 +154,8 @@ def create_app(
         return {
             "instances": [_instance_view(s) for s in stats],
             "kv_pool": None if kv_pool is None else kv_pool.to_dict(),
+            # Ray's GCS: while it is down, streams and new requests go on (docs/deployment.md)
+            "gcs": {"reachable": await gcs.reachable(CLUSTER_VIEW_TIMEOUT_S)},
         }
 
     @app.get("/health")
@@ -186,6 +190,7 @@ def create_app(
             metrics.instances.snapshot = await cluster.stats_async(CLUSTER_VIEW_TIMEOUT_S)
             metrics.instances.planner = await asyncio.wait_for(cluster.planner_state(), 5.0)
             metrics.instances.kv_pool = await cluster.kv_pool_stats(CLUSTER_VIEW_TIMEOUT_S)
+            metrics.instances.gcs_reachable = await gcs.reachable(CLUSTER_VIEW_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - serve the request metrics even then
             metrics.instances.snapshot = []
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -158,8 +158,15 @@ class _InstanceCollector(Collector):
         self.planner = PlannerState(desired={})  # the pool controller's planner_state()
         self.num_moves = 0  # this replica's migrations so far
         self.kv_pool: KVPoolStats | None = None  # the cluster KV pool's stats
+        self.gcs_reachable = True  # whether Ray's GCS answered this replica
 
     def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(
+            "pdcluster_gcs_reachable",
+            "1 when Ray's GCS answers this gateway replica (while it is down, streams and new "
+            "requests go on; scaling waits for it)",
+            value=float(self.gcs_reachable),
+        )
         yield from self._pool()
         answered = [s for s in self.snapshot if s.reachable]
         healthy = GaugeMetricFamily(
