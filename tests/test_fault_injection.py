@@ -155,7 +155,9 @@ def test_a_corrupt_encoder_output_is_encoded_again(suite, clean, reference):
     arm(suite, "encoder", FaultSpec(Fault.CORRUPT_ENCODER_OUTPUT, times=3))
     batch = prompts("corrupt image", images=True)
     assert_exact(run_streams(suite, batch), batch, reference)
-    assert total(suite, "prefill", "ec.checksum_failures") - failures == 3
+    # Three strikes per E; at least one E encodes three of the batch's 16 images.
+    found = total(suite, "prefill", "ec.checksum_failures") - failures
+    assert 3 <= found <= 3 * len(ids(suite, "encoder"))
 
 
 # ---- acks and leases -----------------------------------------------------------------------
@@ -167,10 +169,15 @@ def test_an_ack_delayed_past_the_lease(suite, clean, reference):
     arm(suite, "decode", FaultSpec(Fault.DELAY_ACK, times=4, seconds=LEASE_S + 1))
     batch = prompts("late ack")
     assert_exact(run_streams(suite, batch), batch, reference)
-    assert wait_until(
-        lambda: total(suite, "prefill", "kv_transfer.acks_ignored") - ignored == 4, 3 * LEASE_S
-    )
-    assert total(suite, "prefill", "kv_transfer.leases_expired") - expired == 4
+
+    def late() -> tuple[int, int]:  # (acks ignored, leases expired) since the batch began
+        return (
+            total(suite, "prefill", "kv_transfer.acks_ignored") - ignored,
+            total(suite, "prefill", "kv_transfer.leases_expired") - expired,
+        )
+
+    # Four strikes per D: each a lease expired on P, then an ack that came too late.
+    assert wait_until(lambda: late()[0] >= 4 and late()[0] == late()[1], 3 * LEASE_S), late()
 
 
 def test_a_prefill_restarted_under_its_name_refuses_its_predecessors_acks(suite, clean, reference):
