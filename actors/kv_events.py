@@ -7,16 +7,16 @@ fell behind, or knew an earlier incarnation of the instance gets the whole set i
 
 from __future__ import annotations
 
-import uuid
 from collections import deque
 from itertools import islice
 
 from pdcluster.actors.messages import KVEvents
+from pdcluster.connectors.base import new_epoch
 
 
 class KVEventLog:
     def __init__(self, capacity: int = 65536) -> None:
-        self.epoch = uuid.uuid4().hex[:12]
+        self.epoch = new_epoch()
         self._events: deque[tuple[bool, int]] = deque(maxlen=capacity)
         self._next_seq = 0  # sequence number of the next event appended
         self._cached: set[int] = set()

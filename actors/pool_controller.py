@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -35,6 +34,7 @@ from pdcluster.actors.messages import InstanceStats
 from pdcluster.actors.pool_adapters import load_adapters, unload_adapter
 from pdcluster.actors.pool_members import PoolMembers, members_actor_name
 from pdcluster.actors.pool_messages import MemberList, PlannerState
+from pdcluster.connectors.base import new_epoch
 from pdcluster.engine.lora.adapter import LoRARequest
 from pdcluster.routing.role import Role
 
@@ -68,7 +68,7 @@ class PoolController:
         self._members: dict[str, Role] = {}  # read from the store before first use
         self._adapters: dict[str, LoRARequest] = {}  # LoRA adapters served, likewise
         self._loaded = False
-        self._epoch = uuid.uuid4().hex[:12]  # this incarnation's: see MemberList
+        self._epoch = new_epoch()  # this incarnation's: see MemberList
         self._version = 0
         self._changed: asyncio.Event | None = None  # set (and replaced) at every change
         self._handles: dict[str, ray.actor.ActorHandle] = {}  # instance id -> its actor

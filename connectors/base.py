@@ -8,6 +8,7 @@ model run) moves the bytes. The names mirror vLLM v1's KV and EC connectors.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,6 +21,13 @@ if TYPE_CHECKING:
 
     from pdcluster.engine.outputs import SchedulerOutput
     from pdcluster.engine.request import Request
+
+
+def new_epoch() -> str:
+    """A name for one incarnation of an actor (an instance, the KV pool, a pool controller):
+    a restart under the same actor name gets a new one, so that what was addressed to its
+    predecessor (an ack, a release, a cursor) is told apart."""
+    return uuid.uuid4().hex[:12]
 
 
 class HeadShardedKV(Protocol):

@@ -24,7 +24,6 @@ import contextlib
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +37,7 @@ from pdcluster.connectors.base import (
     KVConnectorBase,
     KVLoadError,
     KVTransferParams,
+    new_epoch,
 )
 from pdcluster.connectors.checksum import ChecksumError
 from pdcluster.connectors.ray_kv_layout import (
@@ -119,7 +119,7 @@ class RayKVConnector(KVConnectorBase):
         self.block_size = block_size
         self.lease_s = lease_s
         self.load_timeout_s = load_timeout_s
-        self.epoch = uuid.uuid4().hex[:12] if epoch is None else epoch
+        self.epoch = new_epoch() if epoch is None else epoch
         self._ack_sender = ack_sender or _ActorAckSender()
         self._clock = clock  # times loads (and their modeled arrival)
         self._transfer_s: Callable[[int], float] | None = None
