@@ -125,7 +125,8 @@ class InstanceActor(InstanceBase):
                 await asyncio.to_thread(self._decode_handle, route.decode_id)
         params = request.kv_transfer_params
         kv = handoff_connector(self.core)
-        if kv is not None and params is not None and params.do_remote_prefill:
+        remote = params is not None and params.do_remote_prefill
+        if kv is not None and remote and not kv.knows_producer(params.remote_engine_id):
             await asyncio.to_thread(kv.find_producer, params.remote_engine_id)
 
     async def load_lora(self, lora: LoRARequest) -> str | None:

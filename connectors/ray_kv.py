@@ -40,6 +40,7 @@ from pdcluster.connectors.base import (
     new_epoch,
 )
 from pdcluster.connectors.checksum import ChecksumError
+from pdcluster.connectors.ray_kv_acks import AckSender, ActorAckSender
 from pdcluster.connectors.ray_kv_layout import (
     BlockArrays,
     Latency,
@@ -63,31 +64,9 @@ _LOAD_COUNTERS = (  # KVTransferStats fields
     "bytes_received",
 )
 
-AckSender = Callable[[str, str, str], None]  # (producer engine id, its request id, its epoch)
 # How long start_load_kv waits for the futures of objects already in this node's store: they
 # resolve in well under 1 ms; the bound only keeps a surprise from stalling the step loop.
 LOCAL_RESOLVE_TIMEOUT_S = 0.1
-
-
-class _ActorAckSender:
-    """Default ack path: the producer is a named actor called `remote_engine_id`."""
-
-    def __init__(self) -> None:
-        self._actors: dict[str, ray.actor.ActorHandle] = {}
-
-    def __call__(self, remote_engine_id: str, remote_request_id: str, epoch: str) -> None:
-        self.find(remote_engine_id).ack_kv.remote(remote_request_id, epoch)  # fire and forget
-
-    def knows(self, remote_engine_id: str) -> bool:
-        return remote_engine_id in self._actors
-
-    def find(self, remote_engine_id: str) -> ray.actor.ActorHandle:
-        """The producer's actor, looked up once (a call to Ray's GCS: blocks while the GCS
-        is down, so the instance makes it off its step thread, when a request arrives)."""
-        actor = self._actors.get(remote_engine_id)
-        if actor is None:
-            actor = self._actors[remote_engine_id] = ray.get_actor(remote_engine_id)
-        return actor
 
 
 class RayKVConnector(KVConnectorBase):
@@ -120,7 +99,7 @@ class RayKVConnector(KVConnectorBase):
         self.lease_s = lease_s
         self.load_timeout_s = load_timeout_s
         self.epoch = new_epoch() if epoch is None else epoch
-        self._ack_sender = ack_sender or _ActorAckSender()
+        self._ack_sender = ack_sender or ActorAckSender()
         self._clock = clock  # times loads (and their modeled arrival)
         self._transfer_s: Callable[[int], float] | None = None
         self._blocks: BlockArrays | None = None  # the KV pool, once registered
@@ -347,12 +326,17 @@ class RayKVConnector(KVConnectorBase):
         self._ack(load.request_id, load, load.remote_epoch)
         return True
 
-    def find_producer(self, engine_id: str) -> None:
-        """Look up the producer this instance will ack, unless known (blocking while Ray's GCS
-        is down: the instance calls this off its step thread, as a request arrives, so that
-        the ack never waits on the GCS). One that is gone is no error here: its ack fails."""
+    def knows_producer(self, engine_id: str) -> bool:
+        """Whether an ack to producer `engine_id` needs no lookup by name."""
         sender = self._ack_sender
-        if isinstance(sender, _ActorAckSender) and not sender.knows(engine_id):
+        return not isinstance(sender, ActorAckSender) or sender.knows(engine_id)
+
+    def find_producer(self, engine_id: str) -> None:
+        """Look up a producer `knows_producer` does not know (blocking while Ray's GCS is
+        down: the instance calls this off its step thread, as a request arrives, so that the
+        ack never waits on the GCS). One that is gone is no error here: its ack fails."""
+        sender = self._ack_sender
+        if isinstance(sender, ActorAckSender):
             with contextlib.suppress(ValueError):
                 sender.find(engine_id)
 

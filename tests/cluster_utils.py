@@ -7,6 +7,7 @@ import gc
 import re
 import time
 from collections.abc import Callable, Iterable
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -89,6 +90,26 @@ def instance_stats(cluster: Cluster, role: str) -> InstanceStats:
 def stats_by_id(cluster: Cluster) -> dict[str, InstanceStats]:
     """Every instance's stats, by instance id."""
     return {s.instance_id: s for s in cluster.stats()}
+
+
+def total(cluster: Cluster, role: str, path: str) -> int:
+    """The sum over the instances of `role` of one figure (`path` of `InstanceStats`, as
+    `kv_transfer.num_loads`)."""
+    return sum(attrgetter(path)(s) for s in cluster.stats() if s.role == role)
+
+
+def instance_with(cluster: Cluster, role: str, path: str) -> str | None:
+    """The id of an instance of `role` whose figure `path` is non-zero, if any."""
+    return next(
+        (s.instance_id for s in cluster.stats() if s.role == role and attrgetter(path)(s)), None
+    )
+
+
+def kill(cluster: Cluster, instance_id: str) -> int:
+    """Kill an instance's actor (Ray restarts it under its name); the pid it had."""
+    pid = stats_by_id(cluster)[instance_id].pid
+    ray.kill(cluster.instances[instance_id][1], no_restart=False)
+    return pid
 
 
 def handle(cluster: Cluster, role: str, index: int = 0):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from operator import attrgetter
 
 import pytest
 import ray
@@ -32,9 +31,12 @@ from tests.cluster_utils import (
     collect_acting,
     handle,
     instance_stats,
+    instance_with,
+    kill,
     live_object_ids,
     random_image,
     start,
+    total,
     until,
     wait_restarted,
     wait_until,
@@ -71,23 +73,6 @@ def mm_prompt(seed: int) -> dict:
 
 def stats_of(cluster, role: str) -> list[InstanceStats]:
     return [s for s in cluster.stats() if s.role == role]
-
-
-def total(cluster, role: str, path: str) -> int:
-    """The sum of one figure (`path` of `InstanceStats`, as `kv_transfer.num_loads`)."""
-    return sum(attrgetter(path)(s) for s in stats_of(cluster, role))
-
-
-def kill(cluster, instance_id: str) -> int:
-    """Kill an instance's actor (Ray restarts it); returns the pid it had."""
-    pid = next(s.pid for s in cluster.stats() if s.instance_id == instance_id)
-    ray.kill(cluster.instances[instance_id][1], no_restart=False)
-    return pid
-
-
-def instance_with(cluster, role: str, path: str) -> str | None:
-    """The id of the instance of `role` whose figure `path` is non-zero, if any."""
-    return next((s.instance_id for s in stats_of(cluster, role) if attrgetter(path)(s)), None)
 
 
 def assert_serves(cluster, reference, prompt) -> None:

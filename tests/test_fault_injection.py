@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from operator import attrgetter
 from typing import Any
 
 import pytest
@@ -28,10 +27,13 @@ from pdcluster.engine.llm import RequestOutput
 from tests.cluster_utils import (
     assert_clean,
     collect,
+    instance_with,
+    kill,
     kv_pool_actor,
     live_object_ids,
     random_image,
     start,
+    total,
     until,
     wait_restarted,
     wait_until,
@@ -91,21 +93,13 @@ def arm(cluster: Cluster, role: str | None, spec: FaultSpec | None) -> None:
             ray.get(ref)
 
 
-def total(cluster: Cluster, role: str, path: str) -> int:
-    return sum(attrgetter(path)(s) for s in cluster.stats() if s.role == role)
-
-
-def first_with(cluster: Cluster, role: str, path: str) -> str | None:
-    return next(
-        (s.instance_id for s in cluster.stats() if s.role == role and attrgetter(path)(s)), None
-    )
-
-
-def kill(cluster: Cluster, instance_id: str) -> int:
-    """Kill an instance's actor (Ray restarts it under its name); the pid it had."""
-    pid = next(s.pid for s in cluster.stats() if s.instance_id == instance_id)
-    ray.kill(cluster.instances[instance_id][1], no_restart=False)
-    return pid
+async def kill_one_with(cluster: Cluster, role: str, path: str) -> dict[str, Any]:
+    """Once an instance of `role` has figure `path` non-zero, kill it (Ray restarts it
+    under its name): its id, the epoch and the pid it had."""
+    assert await until(lambda: instance_with(cluster, role, path))
+    victim = instance_with(cluster, role, path)
+    epoch = next(s.epoch for s in cluster.stats() if s.instance_id == victim)
+    return {"id": victim, "epoch": epoch, "pid": kill(cluster, victim)}
 
 
 def run_streams(
@@ -190,10 +184,7 @@ def test_a_prefill_restarted_under_its_name_refuses_its_predecessors_acks(suite,
     killed: dict[str, Any] = {}
 
     async def kill_a_sender(tasks: list[asyncio.Task]) -> None:
-        assert await until(lambda: first_with(suite, "prefill", "scheduler.num_pending_sends"))
-        victim = first_with(suite, "prefill", "scheduler.num_pending_sends")
-        epoch = next(s.epoch for s in suite.stats() if s.instance_id == victim)
-        killed.update(id=victim, epoch=epoch, pid=kill(suite, victim))
+        killed.update(await kill_one_with(suite, "prefill", "scheduler.num_pending_sends"))
 
     assert_exact(run_streams(suite, batch, kill_a_sender), batch, reference)
     wait_restarted(suite, killed["id"], killed["pid"])
@@ -211,9 +202,7 @@ def test_prefill_killed_after_publish_before_decode_reads(suite, clean, referenc
     killed: dict[str, Any] = {}
 
     async def kill_a_publisher(tasks: list[asyncio.Task]) -> None:
-        assert await until(lambda: first_with(suite, "prefill", "scheduler.num_pending_sends"))
-        victim = first_with(suite, "prefill", "scheduler.num_pending_sends")
-        killed.update(id=victim, pid=kill(suite, victim))
+        killed.update(await kill_one_with(suite, "prefill", "scheduler.num_pending_sends"))
 
     assert_exact(run_streams(suite, batch, kill_a_publisher), batch, reference)
     wait_restarted(suite, killed["id"], killed["pid"])
@@ -228,9 +217,7 @@ def test_decode_killed_mid_load(suite, clean, reference):
     moves = suite.front.num_moves
 
     async def kill_a_loader(tasks: list[asyncio.Task]) -> None:
-        assert await until(lambda: first_with(suite, "decode", "scheduler.num_pending_recvs"))
-        victim = first_with(suite, "decode", "scheduler.num_pending_recvs")
-        killed.update(id=victim, pid=kill(suite, victim))
+        killed.update(await kill_one_with(suite, "decode", "scheduler.num_pending_recvs"))
 
     assert_exact(run_streams(suite, batch, kill_a_loader), batch, reference)
     assert suite.front.num_moves > moves

@@ -14,13 +14,13 @@ import random
 from collections.abc import Callable
 
 import pytest
-import ray
 
 from pdcluster.engine import LLM, SamplingParams
 from pdcluster.engine.llm import RequestOutput
 from tests.cluster_utils import (
     Load,
     assert_clean,
+    kill,
     live_object_ids,
     start,
     stats_by_id,
@@ -59,13 +59,6 @@ def busiest(cluster, roles: tuple[str, ...], exclude: set[str]) -> str:
     stats = [s for s in stats_by_id(cluster).values() if s.role in roles and s.healthy]
     stats = [s for s in stats if s.instance_id not in exclude]
     return max(stats, key=lambda s: s.scheduler.num_running + s.scheduler.num_waiting).instance_id
-
-
-def kill(cluster, instance_id: str) -> int:
-    """Kill an instance's actor (Ray restarts it); the pid it had."""
-    pid = stats_by_id(cluster)[instance_id].pid
-    ray.kill(cluster.instances[instance_id][1], no_restart=False)
-    return pid
 
 
 def wait_back(cluster, killed: dict[str, int], timeout_s: float = RESTART_TIMEOUT_S) -> None:
